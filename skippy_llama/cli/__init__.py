@@ -1,0 +1,1 @@
+"""Command-line surfaces: ``skippy-llama run``, ``kv-cache`` and ``package``."""

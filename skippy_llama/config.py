@@ -1,0 +1,234 @@
+"""Settings: pydantic-settings over CLI flags > ``SKIPPY_*`` env > TOML file > defaults.
+
+Precedence is resolved per field, and :func:`load_settings` keeps the winning source of every field
+so that ``skippy-llama kv-cache status`` can say where each value came from. Configuration is
+fail-closed: any invalid value raises :class:`~skippy_llama.errors.ConfigError` naming the field,
+the value and an example of a valid one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
+from pydantic import model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from .errors import ConfigError
+from .sizes import format_size, parse_size
+
+CONFIG_ENV = "SKIPPY_CONFIG"
+GiB = 1 << 30
+
+Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(format_size, return_type=str)]
+
+_EXAMPLES = {
+    "page_tokens": "128",
+    "namespace": "'my-app'",
+    "l1.max_prefixes": "8",
+    "l1.budget_tokens": "2048",
+    "l2.budget": "'2GiB'",
+    "l3.mode": "'fixed' (with l3.budget) or 'auto' or 'off'",
+    "l3.budget": "'32GiB'",
+    "l3.directory": "'/var/cache/skippy-llama'",
+    "l3.minimum_free": "'16GiB'",
+    "l3.writer_queue": "64",
+}
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "skippy_config_file", default=None
+)
+
+
+def _absolute(value: object) -> Path:
+    path = Path(str(value)).expanduser()
+    if not path.is_absolute():
+        raise ValueError(f"directory {str(value)!r} must be an absolute path")
+    return path
+
+
+def _default_directory() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "skippy-llama" / "kv"
+
+
+class L1Settings(BaseModel):
+    """L1: resident prefixes kept in spare sequence ids of the live context."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    max_prefixes: int = Field(8, ge=1, le=64, description="resident prefixes kept at once")
+    budget_tokens: int | None = Field(
+        None, ge=1, description="resident-token budget; default n_ctx/2"
+    )
+
+
+class L2Settings(BaseModel):
+    """L2: a bounded host-RAM mirror of L3 (off unless a budget is given)."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget: Size | None = None
+
+
+class L3Settings(BaseModel):
+    """L3: the durable disk store on diskcache."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["off", "auto", "fixed"] = "off"
+    budget: Size | None = None
+    directory: Annotated[Path, BeforeValidator(_absolute)] = Field(
+        default_factory=_default_directory
+    )
+    minimum_free: Size = 16 * GiB
+    writer_queue: int = Field(64, ge=1, le=4096, description="pending background writes")
+
+    @model_validator(mode="after")
+    def _check(self) -> L3Settings:
+        if self.mode == "fixed" and self.budget is None:
+            raise ValueError("l3.mode 'fixed' needs l3.budget, e.g. SKIPPY_L3__BUDGET=32GiB")
+        if self.minimum_free < GiB:
+            raise ValueError(
+                f"l3.minimum_free {format_size(self.minimum_free)} is below the 1GiB floor"
+            )
+        return self
+
+
+class Settings(BaseSettings):
+    """All skippy-llama cache settings.
+
+    ``Settings()`` reads ``SKIPPY_*`` environment variables (``__`` nests: ``SKIPPY_L3__MODE``) and
+    the TOML file named by ``SKIPPY_CONFIG``; keyword arguments win over both. Use
+    :func:`load_settings` to also learn which source set each field.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="SKIPPY_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    page_tokens: int = Field(128, ge=16, le=8192, description="tokens per page")
+    namespace: str = Field("", description="user namespace mixed into the cache identity")
+    cross_backend: bool = Field(False, description="share pages across CPU/CUDA/Metal/Vulkan")
+    l1: L1Settings = Field(default_factory=L1Settings)
+    l2: L2Settings = Field(default_factory=L2Settings)
+    l3: L3Settings = Field(default_factory=L3Settings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return tuple(source for _, source in _sources(settings_cls, init_settings))
+
+
+def _config_path() -> Path | None:
+    explicit = _config_file.get()
+    if explicit is not None:
+        return explicit
+    from_env = os.environ.get(CONFIG_ENV)
+    return Path(from_env) if from_env else None
+
+
+def _sources(
+    settings_cls: type[BaseSettings], init: PydanticBaseSettingsSource
+) -> list[tuple[str, PydanticBaseSettingsSource]]:
+    sources: list[tuple[str, PydanticBaseSettingsSource]] = [
+        ("cli", init),
+        ("env", EnvSettingsSource(settings_cls)),
+    ]
+    path = _config_path()
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; pass an existing TOML file with "
+                f"--config or {CONFIG_ENV}, e.g. /etc/skippy-llama.toml"
+            )
+        sources.append(("file", TomlConfigSettingsSource(settings_cls, toml_file=path)))
+    return sources
+
+
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, path + ".")
+        else:
+            yield path
+
+
+def _all_fields(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _all_fields(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    """Validated settings plus the source (``cli``/``env``/``file``/``default``) of every field."""
+
+    settings: Settings
+    sources: dict[str, str] = field(default_factory=dict)
+    config_file: Path | None = None
+
+
+def config_error(exc: ValidationError) -> ConfigError:
+    """Turn a pydantic ValidationError into a ConfigError that names field, value and example."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        loc = loc or "settings"
+        value = err.get("input")
+        message = err["msg"].removeprefix("Value error, ")
+        example = _EXAMPLES.get(loc)
+        hint = f" (example of a valid value: {example})" if example else ""
+        shown = value if not isinstance(value, dict) else "{…}"
+        lines.append(f"invalid setting {loc} = {shown!r}: {message}{hint}")
+    return ConfigError("; ".join(lines))
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None, config_file: Path | str | None = None
+) -> LoadedSettings:
+    """Load settings with per-field precedence CLI (``overrides``) > env > TOML file > default.
+
+    Args:
+        overrides: nested values from CLI flags or code, e.g. ``{"l3": {"mode": "auto"}}``.
+        config_file: a TOML file; defaults to the ``SKIPPY_CONFIG`` environment variable.
+
+    Raises:
+        ConfigError: a value is invalid or the config file does not exist.
+    """
+    path = Path(config_file) if config_file is not None else None
+    token = _config_file.set(path)
+    try:
+        init = InitSettingsSource(Settings, init_kwargs=dict(overrides or {}))
+        sources = _sources(Settings, init)
+        origin: dict[str, str] = dict.fromkeys(_all_fields(Settings), "default")
+        for name, source in reversed(sources):
+            for leaf in _leaves(source()):
+                origin[leaf] = name
+        try:
+            settings = Settings(**dict(overrides or {}))
+        except ValidationError as exc:
+            raise config_error(exc) from None
+        return LoadedSettings(settings=settings, sources=origin, config_file=_config_path())
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,37 @@
+"""The one exception tree of skippy-llama.
+
+Every error the package raises on purpose derives from :class:`SkippyError`, so a caller can
+catch the whole family in one ``except``. Cache-data problems (corrupt pages, layout drift) are
+raised below the orchestrator and turned into misses there; configuration problems reach the
+user at start-up with a message that names the setting.
+"""
+
+from __future__ import annotations
+
+
+class SkippyError(Exception):
+    """Base class of every error raised by skippy-llama."""
+
+
+class ConfigError(SkippyError, ValueError):
+    """An invalid setting: names the field, the value, and an example of a valid one."""
+
+
+class StateFormatError(SkippyError, ValueError):
+    """A llama.cpp sequence-state blob or a stored page is malformed or inconsistent."""
+
+
+class LayoutMismatchError(StateFormatError):
+    """A page or assembled blob does not match the live context's KV layout."""
+
+
+class TierError(SkippyError):
+    """A cache tier failed (I/O, corruption, lock contention); the orchestrator fails open."""
+
+
+class PackageError(SkippyError, ValueError):
+    """A model package is missing, malformed, tampered with, or inconsistent."""
+
+
+class ModelNotFoundError(SkippyError, FileNotFoundError):
+    """The requested GGUF model is not available; the message says how to get it."""

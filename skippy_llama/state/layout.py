@@ -1,0 +1,78 @@
+"""The KV layout of a llama.cpp sequence state: what must match for bytes to be interchangeable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+# ggml type ids of the row types we name in messages; others are carried as plain integers.
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 30: "BF16"}
+FLOAT_TYPES = frozenset({0, 1, 30})
+
+
+def type_name(ggml_type: int) -> str:
+    """Name a ggml type id (``1 -> 'F16'``), falling back to ``type<N>``."""
+    return GGML_TYPE_NAMES.get(ggml_type, f"type{ggml_type}")
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer's K and V storage as llama.cpp serializes it.
+
+    ``v_unit`` is the V row size in bytes when V is not transposed, or the element size when it
+    is; ``v_embd`` is ``n_embd_v_gqa`` for transposed V and 0 otherwise.
+    """
+
+    k_type: int
+    k_row: int
+    v_type: int
+    v_unit: int
+    v_embd: int
+
+    def v_bytes_per_cell(self) -> int:
+        return self.v_unit * self.v_embd if self.v_embd else self.v_unit
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything about a state blob's byte layout that is not per-token content."""
+
+    v_trans: bool
+    layers: tuple[LayerLayout, ...]
+    n_stream: int = 1
+    stream: int = 0
+    ext_bytes: int = 0
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def meta_bytes_per_cell(self) -> int:
+        # pos (i32) + n_seq_id (u32 = 1) + optional cell ext + one seq id (i32)
+        return 12 + self.ext_bytes
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        return sum(layer.k_row + layer.v_bytes_per_cell() for layer in self.layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Serialized state bytes per token (cell metadata included)."""
+        return self.kv_bytes_per_cell + self.meta_bytes_per_cell
+
+    def describe(self) -> str:
+        first = self.layers[0] if self.layers else None
+        types = f"K {type_name(first.k_type)} V {type_name(first.v_type)}" if first else "no layers"
+        return f"{self.n_layer} layers, {types}, v_trans={int(self.v_trans)}"
+
+    def digest(self) -> str:
+        """A stable hex digest of the layout, used in the cache identity."""
+        h = xxhash.xxh3_128()
+        h.update(f"{int(self.v_trans)}|{self.n_stream}|{self.stream}|{self.ext_bytes}".encode())
+        for layer in self.layers:
+            h.update(
+                f"|{layer.k_type},{layer.k_row},{layer.v_type},{layer.v_unit},{layer.v_embd}".encode()
+            )
+        return h.hexdigest()

@@ -1,0 +1,283 @@
+"""Token pages: cut a sequence state into pages, serialize them, assemble a prefix back.
+
+A page holds ``n_tokens`` consecutive positions of one sequence, every layer, K and V, as one
+self-describing bytes object::
+
+    header  '<4sHHIIIII': magic b'SKPG', PAGE_FORMAT_VERSION, flags (bit0 v_trans),
+                          n_layer, start, n_tokens, ext_bytes, reserved
+    layers  n_layer * '<iQiII': k_type, k_row, v_type, v_unit, v_embd
+    ext     n_tokens * ext_bytes
+    K       per layer n_tokens * k_row
+    V       per layer n_tokens * v_row, or v_embd rows of n_tokens * elem (transposed)
+
+Assembly writes every page straight into one preallocated buffer: no intermediate copies, so a
+16k-token prefix costs one pass over its bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import LayoutMismatchError, StateFormatError
+from .format import STATE_MAGIC, U8, SequenceState
+from .layout import KVLayout, LayerLayout, type_name
+
+PAGE_MAGIC = b"SKPG"
+#: Version of skippy's page format; part of the cache identity.
+PAGE_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHIIIII")
+_LAYER = struct.Struct("<iQiII")
+
+
+@dataclass(frozen=True)
+class Page:
+    """``n_tokens`` consecutive cells starting at position ``start``, as views (no copies)."""
+
+    start: int
+    n_tokens: int
+    layout: KVLayout
+    ext: U8
+    k: tuple[U8, ...]
+    v: tuple[U8, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            _HEADER.size
+            + _LAYER.size * self.layout.n_layer
+            + self.n_tokens * (self.layout.ext_bytes + self.layout.kv_bytes_per_cell)
+        )
+
+    def to_bytes(self) -> bytes:
+        """Serialize the page (one copy of its payload)."""
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        flags = 1 if self.layout.v_trans else 0
+        _HEADER.pack_into(
+            out, 0, PAGE_MAGIC, PAGE_FORMAT_VERSION, flags, self.layout.n_layer,
+            self.start, self.n_tokens, self.layout.ext_bytes, 0,
+        )  # fmt: skip
+        off = _HEADER.size
+        for layer in self.layout.layers:
+            _LAYER.pack_into(
+                out, off, layer.k_type, layer.k_row, layer.v_type, layer.v_unit, layer.v_embd
+            )
+            off += _LAYER.size
+        for arr in (self.ext, *self.k, *self.v):
+            n = arr.size
+            out[off : off + n].reshape(arr.shape)[...] = arr
+            off += n
+        return out.tobytes()
+
+
+def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:
+    """Parse a serialized page into views over ``data``.
+
+    Raises:
+        StateFormatError: wrong magic or version, or a size that does not add up.
+    """
+    buf = memoryview(data).cast("B")
+    if len(buf) < _HEADER.size:
+        raise StateFormatError(f"page truncated: {len(buf)} bytes, header needs {_HEADER.size}")
+    magic, version, flags, n_layer, start, n_tokens, ext_bytes, _ = _HEADER.unpack_from(buf, 0)
+    if magic != PAGE_MAGIC:
+        raise StateFormatError(f"not a skippy page (magic {bytes(magic)!r})")
+    if version != PAGE_FORMAT_VERSION:
+        raise StateFormatError(f"page format version {version}, this build reads {PAGE_FORMAT_VERSION}")
+    if not 1 <= n_layer <= 4096 or n_tokens == 0 or flags > 1:
+        raise StateFormatError(f"implausible page header: {n_layer} layers, {n_tokens} tokens")
+    off = _HEADER.size
+    if len(buf) < off + _LAYER.size * n_layer:
+        raise StateFormatError("page truncated in its layer table")
+    layers = []
+    for _ in range(n_layer):
+        layers.append(LayerLayout(*_LAYER.unpack_from(buf, off)))
+        off += _LAYER.size
+    layout = KVLayout(v_trans=bool(flags & 1), layers=tuple(layers), ext_bytes=ext_bytes)
+    expected = off + n_tokens * (ext_bytes + layout.kv_bytes_per_cell)
+    if len(buf) != expected:
+        raise StateFormatError(f"page is {len(buf)} bytes, its header says {expected}")
+    whole = np.frombuffer(buf, dtype=np.uint8)
+
+    def take(shape: tuple[int, int]) -> U8:
+        nonlocal off
+        n = shape[0] * shape[1]
+        arr = whole[off : off + n].reshape(shape)
+        off += n
+        return arr
+
+    ext = take((n_tokens, ext_bytes))
+    k = tuple(take((n_tokens, layer.k_row)) for layer in layers)
+    v = tuple(
+        take((layer.v_embd, n_tokens * layer.v_unit)) if layout.v_trans else take((n_tokens, layer.v_unit))
+        for layer in layers
+    )
+    return Page(start, n_tokens, layout, ext, k, v)
+
+
+def _sorted(state: SequenceState) -> SequenceState:
+    order = state.order()
+    if order is None:
+        return state
+    v: list[U8] = []
+    for arr, layer in zip(state.v, state.layout.layers, strict=True):
+        if state.layout.v_trans:
+            cube = arr.reshape(layer.v_embd, state.n_tokens, layer.v_unit)[:, order, :]
+            v.append(np.ascontiguousarray(cube).reshape(layer.v_embd, -1))
+        else:
+            v.append(arr[order])
+    return SequenceState(
+        state.seq_id,
+        state.layout,
+        np.arange(state.n_tokens, dtype=np.int32),
+        state.ext[order],
+        tuple(arr[order] for arr in state.k),
+        tuple(v),
+    )
+
+
+def slice_state(state: SequenceState, start: int, end: int) -> Page:
+    """Cut cells with positions ``[start, end)`` out of a sequence state, as views where possible.
+
+    Raises:
+        StateFormatError: positions are not contiguous from 0, or the range is out of bounds.
+    """
+    state = _sorted(state)
+    if not 0 <= start < end <= state.n_tokens:
+        raise StateFormatError(f"range [{start}, {end}) outside the state's {state.n_tokens} tokens")
+    layout = state.layout
+    v = tuple(
+        arr[:, start * layer.v_unit : end * layer.v_unit] if layout.v_trans else arr[start:end]
+        for arr, layer in zip(state.v, layout.layers, strict=True)
+    )
+    return Page(
+        start, end - start, layout, state.ext[start:end], tuple(a[start:end] for a in state.k), v
+    )
+
+
+def cut_pages(
+    state: SequenceState, page_tokens: int, *, keep_tail: bool = True, limit: int | None = None
+) -> list[Page]:
+    """Cut the first ``limit`` (default all) tokens of a state into pages of ``page_tokens``.
+
+    With ``keep_tail`` the last partial page is kept as an exact-length tail page.
+    """
+    if page_tokens <= 0:
+        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+    state = _sorted(state)
+    n = state.n_tokens if limit is None else min(limit, state.n_tokens)
+    bounds = list(range(0, n, page_tokens))
+    pages = []
+    for start in bounds:
+        end = min(start + page_tokens, n)
+        if end - start < page_tokens and not keep_tail:
+            break
+        pages.append(slice_state(state, start, end))
+    return pages
+
+
+def _layout_difference(want: KVLayout, got: KVLayout) -> str | None:
+    if want.v_trans != got.v_trans:
+        return f"v_trans {int(got.v_trans)} where the context has {int(want.v_trans)}"
+    if want.n_layer != got.n_layer:
+        return f"{got.n_layer} layers where the context has {want.n_layer}"
+    if want.ext_bytes != got.ext_bytes:
+        return f"{got.ext_bytes} cell-ext bytes where the context has {want.ext_bytes}"
+    for il, (a, b) in enumerate(zip(want.layers, got.layers, strict=True)):
+        if a != b:
+            return (
+                f"layer {il} is K {type_name(b.k_type)}/{b.k_row}B V {type_name(b.v_type)}/{b.v_unit}B "
+                f"where the context has K {type_name(a.k_type)}/{a.k_row}B V {type_name(a.v_type)}/{a.v_unit}B"
+            )
+    return None
+
+
+def check_layout(want: KVLayout, got: KVLayout, what: str = "page") -> None:
+    """Raise :class:`LayoutMismatchError` naming the first difference between two layouts."""
+    diff = _layout_difference(want, got)
+    if diff is not None:
+        raise LayoutMismatchError(f"{what} does not fit the live context: {diff}")
+
+
+def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytearray:
+    """Build a ``llama_state_seq_set_data`` blob for the prefix covered by ``pages``.
+
+    Args:
+        pages: consecutive pages starting at position 0.
+        layout: the live context's layout; every page is checked against it.
+        seq_id: the sequence id written into the header (llama.cpp restores into the id it is
+            given, so any destination works).
+
+    Raises:
+        LayoutMismatchError: a page has a different layout from the context.
+        StateFormatError: pages are not consecutive from position 0.
+    """
+    n = 0
+    for page in pages:
+        if page.start != n:
+            raise StateFormatError(f"page starts at {page.start}, expected {n}: pages must be consecutive")
+        check_layout(layout, page.layout)
+        n += page.n_tokens
+    if n == 0:
+        raise StateFormatError("nothing to assemble: no pages")
+    size = 12 + 4 * layout.n_stream + n * layout.meta_bytes_per_cell + 8
+    for layer in layout.layers:
+        size += 12 + n * layer.k_row
+        size += (12 + n * layer.v_unit * layer.v_embd) if layout.v_trans else (12 + n * layer.v_unit)
+    out = bytearray(size)
+    arr = np.frombuffer(out, dtype=np.uint8)
+    struct.pack_into("<IiI", out, 0, STATE_MAGIC, seq_id, layout.n_stream)
+    off = 12
+    for s in range(layout.n_stream):
+        struct.pack_into("<I", out, off, n if s == layout.stream else 0)
+        off += 4
+        if s != layout.stream:
+            continue
+        rec = layout.meta_bytes_per_cell
+        meta = arr[off : off + n * rec].reshape(n, rec)
+        meta[:, 0:4] = np.arange(n, dtype=np.int32).view(np.uint8).reshape(n, 4)
+        meta[:, 4:8] = np.ones(n, dtype=np.uint32).view(np.uint8).reshape(n, 4)
+        row = 0
+        for page in pages:
+            meta[row : row + page.n_tokens, 8 : 8 + layout.ext_bytes] = page.ext
+            row += page.n_tokens
+        meta[:, 8 + layout.ext_bytes :] = np.full(n, seq_id, dtype=np.int32).view(np.uint8).reshape(n, 4)
+        off += n * rec
+        struct.pack_into("<II", out, off, int(layout.v_trans), layout.n_layer)
+        off += 8
+        for il, layer in enumerate(layout.layers):
+            struct.pack_into("<iQ", out, off, layer.k_type, layer.k_row)
+            off += 12
+            for page in pages:
+                size_k = page.n_tokens * layer.k_row
+                arr[off : off + size_k].reshape(page.n_tokens, layer.k_row)[...] = page.k[il]
+                off += size_k
+        for il, layer in enumerate(layout.layers):
+            if layout.v_trans:
+                struct.pack_into("<iII", out, off, layer.v_type, layer.v_unit, layer.v_embd)
+                off += 12
+                width = n * layer.v_unit
+                block = arr[off : off + layer.v_embd * width].reshape(layer.v_embd, width)
+                col = 0
+                for page in pages:
+                    w = page.n_tokens * layer.v_unit
+                    block[:, col : col + w] = page.v[il]
+                    col += w
+                off += layer.v_embd * width
+            else:
+                struct.pack_into("<iQ", out, off, layer.v_type, layer.v_unit)
+                off += 12
+                for page in pages:
+                    size_v = page.n_tokens * layer.v_unit
+                    arr[off : off + size_v].reshape(page.n_tokens, layer.v_unit)[...] = page.v[il]
+                    off += size_v
+    if off != size:
+        raise StateFormatError(f"assembled {off} bytes, planned {size}")  # pragma: no cover
+    return out
