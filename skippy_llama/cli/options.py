@@ -1,0 +1,85 @@
+"""Settings flags shared by ``skippy-llama run`` and ``skippy-llama kv-cache``.
+
+Every flag defaults to ``None`` (= not given) so that only flags the user actually typed become
+``cli`` overrides; everything else falls through to env, the TOML file, and the defaults, and
+``kv-cache status`` can report each field's real source.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..config import LoadedSettings, load_settings
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the cache-settings flags (``--config``, ``--l3-mode`` …) to ``parser``.
+
+    Values are passed through as strings: sizes and directories are validated by
+    :mod:`skippy_llama.config`, so a bad flag gets the same field-naming error as a bad env var.
+    """
+    group = parser.add_argument_group("cache settings (override SKIPPY_* env and the config file)")
+    group.add_argument(
+        "--config", metavar="FILE", default=None, help="TOML settings file (default: $SKIPPY_CONFIG)"
+    )
+    group.add_argument(
+        "--page-tokens", metavar="N", default=None, help="tokens per KV page (default 128)"
+    )
+    group.add_argument(
+        "--namespace", metavar="NAME", default=None, help="namespace mixed into the cache identity"
+    )
+    group.add_argument(
+        "--l2-budget", metavar="SIZE", default=None, help="RAM mirror budget, e.g. 2GiB (default off)"
+    )
+    group.add_argument(
+        "--l3-mode",
+        choices=("off", "auto", "fixed"),
+        default=None,
+        help="disk tier mode (default off)",
+    )
+    group.add_argument(
+        "--l3-budget", metavar="SIZE", default=None, help="disk budget for --l3-mode fixed, e.g. 32GiB"
+    )
+    group.add_argument("--l3-dir", metavar="DIR", default=None, help="absolute disk-cache directory")
+    group.add_argument(
+        "--l3-minimum-free",
+        metavar="SIZE",
+        default=None,
+        help="free space kept on the filesystem; below it L3 turns read-only (default 16GiB)",
+    )
+
+
+# (argparse dest, nested settings path)
+_FLAG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("page_tokens", ("page_tokens",)),
+    ("namespace", ("namespace",)),
+    ("l2_budget", ("l2", "budget")),
+    ("l3_mode", ("l3", "mode")),
+    ("l3_budget", ("l3", "budget")),
+    ("l3_dir", ("l3", "directory")),
+    ("l3_minimum_free", ("l3", "minimum_free")),
+)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Nested overrides (``{"l3": {"mode": "auto"}}``) for the flags that were actually given."""
+    overrides: dict[str, Any] = {}
+    for dest, path in _FLAG_FIELDS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return overrides
+
+
+def settings_from_args(args: argparse.Namespace) -> LoadedSettings:
+    """Load settings with the given flags as ``cli`` overrides (CLI > env > file > default).
+
+    Raises:
+        ConfigError: a value is invalid (the message names the field) or ``--config`` is missing.
+    """
+    return load_settings(overrides_from_args(args), config_file=getattr(args, "config", None))
