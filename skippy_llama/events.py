@@ -1,0 +1,38 @@
+"""Typed results that cross layers: what one request got from the cache."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Tier = Literal["l1", "l2", "l3", "cold"]
+
+
+@dataclass
+class CacheEvent:
+    """What the cache did for the latest request (``SkippyLlama.last_cache_event``).
+
+    Attributes:
+        tier: where the reused prefix came from: ``l1`` (live or resident sequence), ``l2``
+            (host RAM), ``l3`` (disk) or ``cold`` (nothing reused).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: prompt tokens restored instead of prefilled.
+        restored_bytes: state bytes loaded into the context (0 for L1 sequence copies).
+        suffix_tokens: prompt tokens prefilled.
+        lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
+        fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
+    """
+
+    tier: Tier = "cold"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    restored_bytes: int = 0
+    suffix_tokens: int = 0
+    lookup_ms: float = 0.0
+    restore_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    fallbacks: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

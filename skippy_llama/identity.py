@@ -1,0 +1,181 @@
+"""Identity: what makes cached bytes valid for a context, and the chained page keys.
+
+The *cache identity* is a digest over everything that changes the bytes of a page or their
+meaning: the model file's content, its geometry, the live KV layout (types, v_trans, per-layer row
+sizes, rope/yarn, SWA, unified cache), the llama.cpp state-format and skippy page-format
+versions, the backend (unless cross-backend sharing is opted into) and a user namespace. Page keys
+chain from it: ``h_i = xxh3_128(h_{i-1} || tokens_i)`` with ``h_{-1}`` = the identity, so a page
+key names one exact token prefix under one identity, and a lookup walks the chain from page 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from .state.format import STATE_FORMAT_VERSION
+from .state.pages import PAGE_FORMAT_VERSION
+
+KEY_BYTES = 16
+_DIGEST_CHUNK = 8 << 20
+#: Tensor-name fragments of models whose continuation state is not only attention KV.
+RECURRENT_MARKERS = ("ssm_", "time_mix", "recurrent", "rwkv")
+
+
+def _identity_cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "skippy-llama" / "file-digests.json"
+
+
+def file_digest(path: str | os.PathLike[str], *, memo: Path | None = None) -> str:
+    """xxh3-128 hex digest of a file's content, memoized by (path, size, mtime).
+
+    Hashing a multi-GB GGUF takes seconds, so the result is kept in a small JSON file and reused
+    until the file's size or modification time changes.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    stamp = f"{st.st_size}:{st.st_mtime_ns}"
+    memo = memo or _identity_cache_path()
+    table: dict[str, Any] = {}
+    try:
+        table = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        table = {}
+    hit = table.get(str(p))
+    if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("digest"), str):
+        return str(hit["digest"])
+    h = xxhash.xxh3_128()
+    with p.open("rb") as f:
+        while chunk := f.read(_DIGEST_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    table[str(p)] = {"stamp": stamp, "digest": digest}
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # the memo is an optimisation; an unwritable cache dir only costs a re-hash
+    return digest
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """A model file's content digest plus the architecture and geometry it declares."""
+
+    digest: str
+    architecture: str
+    geometry: Mapping[str, int | float | str] = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def id(self) -> str:
+        """The short id operators pass to ``--model-identity`` (hex, 32 chars)."""
+        h = xxhash.xxh3_128()
+        h.update(self.digest.encode())
+        h.update(self.architecture.encode())
+        h.update(json.dumps(dict(self.geometry), sort_keys=True).encode())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """Every field that decides whether stored pages may be restored into a context."""
+
+    model: ModelIdentity
+    layout_digest: str
+    type_k: int
+    type_v: int
+    flash_attn: bool
+    v_trans: bool
+    rope_freq_base: float
+    rope_freq_scale: float
+    yarn: tuple[float, ...]
+    n_swa: int
+    kv_unified: bool
+    backend: str
+    namespace: str = ""
+    state_format: int = STATE_FORMAT_VERSION
+    page_format: int = PAGE_FORMAT_VERSION
+
+    def fields(self) -> dict[str, Any]:
+        """The identity as a flat JSON-ready dict (status output, tests)."""
+        return {
+            "model_identity": self.model.id,
+            "model_digest": self.model.digest,
+            "architecture": self.model.architecture,
+            "geometry": dict(self.model.geometry),
+            "layout_digest": self.layout_digest,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "flash_attn": self.flash_attn,
+            "v_trans": self.v_trans,
+            "rope_freq_base": self.rope_freq_base,
+            "rope_freq_scale": self.rope_freq_scale,
+            "yarn": list(self.yarn),
+            "n_swa": self.n_swa,
+            "kv_unified": self.kv_unified,
+            "backend": self.backend,
+            "namespace": self.namespace,
+            "state_format": self.state_format,
+            "page_format": self.page_format,
+        }
+
+    @property
+    def root(self) -> bytes:
+        """``h_{-1}``: the 16-byte root of every page-key chain under this identity."""
+        return xxhash.xxh3_128(json.dumps(self.fields(), sort_keys=True).encode()).digest()
+
+    @property
+    def hex(self) -> str:
+        return self.root.hex()
+
+
+def token_bytes(tokens: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bytes:
+    """Tokens as little-endian int32 bytes: the hashed form of a page's content."""
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def chain_key(parent: bytes, tokens: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bytes:
+    """``xxh3_128(parent || tokens)``: the key of the page holding ``tokens`` after ``parent``."""
+    h = xxhash.xxh3_128(parent)
+    h.update(token_bytes(tokens))
+    return h.digest()
+
+
+def page_keys(
+    root: bytes, tokens: Sequence[int] | npt.NDArray[np.integer[Any]], page_tokens: int
+) -> list[bytes]:
+    """Keys of every *full* page of ``tokens``, chained from ``root``."""
+    arr = np.asarray(tokens, dtype="<i4")
+    keys: list[bytes] = []
+    parent = root
+    for start in range(0, len(arr) - page_tokens + 1, page_tokens):
+        parent = chain_key(parent, arr[start : start + page_tokens])
+        keys.append(parent)
+    return keys
+
+
+def paging_refusal(architecture: str, tensor_names: Iterable[str], *, recurrent: bool) -> str | None:
+    """Why a model's state must not be paged, or ``None`` when paging is sound.
+
+    Recurrent, hybrid and SSM models carry state beyond attention KV, so a prefix of cells is not
+    a prefix of the state.
+    """
+    if recurrent:
+        return f"{architecture}: recurrent or hybrid memory is not attention KV alone"
+    for name in tensor_names:
+        for marker in RECURRENT_MARKERS:
+            if marker in name:
+                return f"{architecture}: tensor {name!r} marks recurrent state ({marker})"
+    return None

@@ -1,0 +1,282 @@
+"""``SkippyLlama``: a drop-in ``llama_cpp.Llama`` whose prompts reuse cached KV prefixes.
+
+The context is re-created with spare sequence ids in one unified KV cache: sequence 0 is the
+working sequence ``llama_cpp.Llama`` always uses, and sequences 1..N hold resident prefixes (L1).
+Before a prompt is prefilled, the longest cached prefix is put into sequence 0 and only the
+suffix is decoded; after a request, the evaluated sequence is parked for later prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Generator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import llama_cpp._internals as internals
+import numpy as np
+
+from ..cache import LookupResult, PrefixCache
+from ..config import Settings, load_settings
+from ..events import CacheEvent
+from ..identity import CacheIdentity, ModelIdentity, file_digest, paging_refusal
+from ..state import KVLayout, parse_state
+from ..tiers.resident import ResidentIndex, common_prefix
+from . import native
+
+log = logging.getLogger("skippy_llama")
+
+WORKING_SEQ = 0
+
+
+class SkippyLlama(llama_cpp.Llama):
+    """A ``llama_cpp.Llama`` with a paged, tiered KV-prefix cache.
+
+    Takes every argument ``llama_cpp.Llama`` takes, plus ``cache_settings``. Without it the
+    settings come from ``SKIPPY_*`` environment variables and the ``SKIPPY_CONFIG`` TOML file.
+
+    After each completion ``last_cache_event`` tells which tier served the prompt, how many tokens
+    were reused and how long each step took; completion responses also carry
+    ``usage["prompt_tokens_details"]["cached_tokens"]`` as OpenAI's API does.
+
+    Example:
+        >>> llm = SkippyLlama("model.gguf", n_ctx=4096)
+        >>> llm.create_completion("A long shared prefix ... question 1", max_tokens=16)
+        >>> llm.create_completion("A long shared prefix ... question 2", max_tokens=16)
+        >>> llm.last_cache_event.tier
+        'l1'
+    """
+
+    def __init__(
+        self, model_path: str, *, cache_settings: Settings | None = None, **kwargs: Any
+    ) -> None:
+        self.cache_settings = cache_settings or load_settings().settings
+        self.last_cache_event: CacheEvent | None = None
+        self._in_generate = False
+        super().__init__(model_path, **kwargs)
+        self.cache_disabled_reason: str | None = None
+        if self.context_params.embeddings:
+            self.cache_disabled_reason = "embedding contexts are not cached"
+        elif self._is_recurrent or self._is_hybrid:
+            arch = str(self.metadata.get("general.architecture", "unknown"))
+            self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
+        settings = self.cache_settings
+        self._n_ctx_user = self._n_ctx
+        slots = settings.l1.max_prefixes if settings.l1.enabled else 0
+        budget = settings.l1.budget_tokens or self._n_ctx_user // 2
+        resident: ResidentIndex | None = None
+        if self.cache_disabled_reason is None and slots > 0:
+            self._recreate_context(extra_cells=budget, n_seq_max=1 + slots)
+            resident = ResidentIndex(range(1, slots + 1), budget, settings.page_tokens)
+        elif self.cache_disabled_reason is not None:
+            log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
+        self.kv_layout = self._probe_layout() if self.cache_disabled_reason is None else None
+        self.cache_identity = self._identity()
+        self.prefix_cache = PrefixCache(
+            root=self.cache_identity.root,
+            page_tokens=settings.page_tokens,
+            resident=resident,
+        )
+
+    # -- context and identity -------------------------------------------------------------
+
+    def _recreate_context(self, *, extra_cells: int, n_seq_max: int) -> None:
+        # Llama.__init__ offers no n_seq_max/kv_unified, so the context it made is replaced by
+        # one with spare sequences in a single unified cache; the user-visible n_ctx stays.
+        params = llama_cpp.llama_context_params.from_buffer_copy(self.context_params)
+        params.n_ctx = self._n_ctx_user + extra_cells
+        params.n_seq_max = n_seq_max
+        params.kv_unified = True
+        self._ctx.close()
+        self._ctx = self._stack.enter_context(
+            contextlib.closing(
+                internals.LlamaContext(model=self._model, params=params, verbose=self.verbose)
+            )
+        )
+        if self._lora_adapter is not None:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)
+            scales = (llama_cpp.ctypes.c_float * 1)(self.lora_scale)
+            llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales)
+        self.n_tokens = 0
+
+    def _probe_layout(self) -> KVLayout | None:
+        """Decode one token into the working sequence to read the live KV layout, then drop it."""
+        probe = [self.token_bos() if self.token_bos() >= 0 else 0]
+        try:
+            super().eval(probe)
+            blob = native.get_seq_state(self.ctx, WORKING_SEQ)
+            return parse_state(blob).layout
+        except Exception as exc:  # fail-open: without a layout only L1 is used
+            log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
+            return None
+        finally:
+            native.seq_rm(self.ctx, WORKING_SEQ)
+            self.n_tokens = 0
+
+    def _identity(self) -> CacheIdentity:
+        model = self._model.model
+        meta = self.metadata
+        geometry: dict[str, int | float | str] = {
+            "n_layer": int(llama_cpp.llama_model_n_layer(model)),
+            "n_embd": int(llama_cpp.llama_model_n_embd(model)),
+            "n_head": int(llama_cpp.llama_model_n_head(model)),
+            "n_head_kv": int(llama_cpp.llama_model_n_head_kv(model)),
+            "n_vocab": int(self._n_vocab),
+            "n_ctx_train": int(llama_cpp.llama_model_n_ctx_train(model)),
+        }
+        p = self.context_params
+        layout = self.kv_layout
+        return CacheIdentity(
+            model=ModelIdentity(
+                digest=file_digest(self.model_path),
+                architecture=str(meta.get("general.architecture", "unknown")),
+                geometry=geometry,
+                name=Path(self.model_path).name,
+            ),
+            layout_digest=layout.digest() if layout is not None else "none",
+            type_k=int(p.type_k),
+            type_v=int(p.type_v),
+            flash_attn=p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            v_trans=bool(layout.v_trans) if layout is not None else False,
+            rope_freq_base=float(p.rope_freq_base),
+            rope_freq_scale=float(p.rope_freq_scale),
+            yarn=(
+                float(p.yarn_ext_factor),
+                float(p.yarn_attn_factor),
+                float(p.yarn_beta_fast),
+                float(p.yarn_beta_slow),
+                float(p.yarn_orig_ctx),
+                float(p.rope_scaling_type),
+            ),
+            n_swa=int(llama_cpp.llama_model_n_swa(model)),
+            kv_unified=True,
+            backend="any" if self.cache_settings.cross_backend else native.backend_name(),
+            namespace=self.cache_settings.namespace,
+        )
+
+    def n_ctx(self) -> int:
+        """The context window the caller asked for (spare resident cells are not counted)."""
+        return getattr(self, "_n_ctx_user", None) or super().n_ctx()
+
+    @property
+    def caching(self) -> bool:
+        return self.cache_disabled_reason is None
+
+    # -- the cached paths -----------------------------------------------------------------
+
+    def _restore(self, tokens: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
+        """Put the longest cached prefix of ``tokens`` into the working sequence."""
+        limit = len(tokens) - 1
+        live = common_prefix(self.input_ids[: self.n_tokens].astype(np.int32), tokens[:limit])
+        found = self.prefix_cache.lookup(tokens, limit, live)
+        event.lookup_ms = found.lookup_s * 1e3
+        started = time.perf_counter()
+        if found.tier == "l1" and found.seq_id is not None:
+            self._copy_resident(found, tokens)
+        event.restore_ms = (time.perf_counter() - started) * 1e3
+        event.tier = found.tier
+        event.cached_tokens = found.n_tokens
+
+    def _copy_resident(self, found: LookupResult, tokens: np.ndarray[Any, Any]) -> None:
+        assert found.seq_id is not None
+        native.seq_rm(self.ctx, WORKING_SEQ)
+        native.seq_cp(self.ctx, found.seq_id, WORKING_SEQ, 0, found.n_tokens)
+        self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
+        self.n_tokens = found.n_tokens
+        self._requires_eval = True
+
+    def _park(self) -> None:
+        """Keep the working sequence resident in a spare sequence id for later prompts."""
+        resident = self.prefix_cache.resident
+        if resident is None or self.n_tokens == 0:
+            return
+        tokens = self.input_ids[: self.n_tokens].astype(np.int32)
+        plan = resident.plan_park(tokens)
+        if plan is None:
+            self.prefix_cache.counters.park_skipped += 1
+            return
+        for seq_id in plan.evict:
+            native.seq_rm(self.ctx, seq_id)
+        native.seq_rm(self.ctx, plan.seq_id)
+        native.seq_cp(self.ctx, WORKING_SEQ, plan.seq_id, 0, plan.n_tokens)
+        resident.commit_park(plan, self.prefix_cache.root, tokens)
+        self.prefix_cache.counters.parked += 1
+
+    def generate(  # type: ignore[override]
+        self, tokens: Sequence[int], *args: Any, **kwargs: Any
+    ) -> Generator[int, Sequence[int] | None, None]:
+        """``Llama.generate`` that first restores the longest cached prefix of ``tokens``."""
+        reset = kwargs.get("reset", True)
+        if not self.caching or not reset or len(tokens) == 0:
+            return (yield from super().generate(tokens, *args, **kwargs))
+        prompt = np.asarray(tokens, dtype=np.int32)
+        event = CacheEvent(prompt_tokens=len(prompt))
+        started = time.perf_counter()
+        self._restore(prompt, event)
+        self._in_generate = True
+        first = True
+        inner = super().generate(tokens, *args, **kwargs)
+        try:
+            sent: Sequence[int] | None = None
+            while True:
+                try:
+                    token = next(inner) if first else inner.send(sent)
+                except StopIteration:
+                    return
+                if first:
+                    first = False
+                    event.ttft_ms = (time.perf_counter() - started) * 1e3
+                    event.prefill_ms = event.ttft_ms - event.lookup_ms - event.restore_ms
+                    event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+                    self.last_cache_event = event
+                sent = yield token
+        finally:
+            inner.close()
+            self._in_generate = False
+            if first:
+                event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+                self.last_cache_event = event
+            self._park()
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """``Llama.eval`` that restores a cached prefix first when called on its own.
+
+        Inside ``generate`` the prefix was already restored, so this is plain decoding.
+        """
+        if self._in_generate or not self.caching or len(tokens) < 2:
+            super().eval(tokens)
+            return
+        whole = np.concatenate(
+            [self.input_ids[: self.n_tokens].astype(np.int32), np.asarray(tokens, np.int32)]
+        )
+        event = CacheEvent(prompt_tokens=len(whole))
+        started = time.perf_counter()
+        self._restore(whole, event)
+        super().eval(whole[self.n_tokens :].tolist())
+        event.prefill_ms = (time.perf_counter() - started) * 1e3 - event.lookup_ms - event.restore_ms
+        event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+        self.last_cache_event = event
+        self._park()
+
+    def create_completion(self, *args: Any, **kwargs: Any) -> Any:
+        """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""
+        result = super().create_completion(*args, **kwargs)
+        if isinstance(result, Iterator):
+            return result
+        event = self.last_cache_event
+        usage = result.get("usage")
+        if isinstance(usage, dict):
+            usage["prompt_tokens_details"] = {
+                "cached_tokens": event.cached_tokens if event is not None else 0
+            }
+        return result
+
+    def clear_cache(self) -> None:
+        """Drop every resident prefix (L1) from the context."""
+        resident = self.prefix_cache.resident
+        if resident is not None:
+            for seq_id in resident.clear():
+                native.seq_rm(self.ctx, seq_id)
