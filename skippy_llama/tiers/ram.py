@@ -1,0 +1,186 @@
+"""L2: a bounded host-RAM mirror of L3, holding only pages L3 holds with the same digest.
+
+L2 never holds anything L3 does not: every copy carries the digest L3 had when it was offered, and
+:meth:`RamTier.get` takes L3's current digest and drops the copy when they differ (or when L3 no
+longer has the page). :meth:`RamTier.invalidate` is wired to the disk tier's removal listener, so
+an eviction or quarantine in this process drops the copy at once; removals by other processes are
+caught by the digest check.
+
+Promotion is deliberately conservative, because RAM is the scarcer resource: a page is copied in on
+its second fill within ten minutes, or at once when it belongs to a prefix of at least 4,096 tokens
+(long prefixes are the ones whose reads hurt); payloads over 64 MiB never are. The budget is charged
+by distinct bytes: pages are keyed by their chain key, so a page shared by many prefixes is held
+and charged once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from .records import RamStatus
+
+MiB = 1 << 20
+#: A second fill within this many seconds promotes a page.
+PROMOTE_WINDOW_S = 600.0
+#: Pages of prefixes at least this long are promoted on their first fill.
+LARGE_PREFIX_TOKENS = 4096
+#: Payloads larger than this are never promoted (one page must not flush the whole mirror).
+MAX_PAYLOAD_BYTES = 64 * MiB
+#: How many first fills are remembered while waiting for a second one.
+MAX_SEEN = 65536
+
+
+class RamTier:
+    """LRU mirror of L3 pages in host RAM, bounded by an explicit budget in bytes.
+
+    Thread-safe. ``clock`` returns seconds (monotonic) and is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        promote_window_s: float = PROMOTE_WINDOW_S,
+        large_prefix_tokens: int = LARGE_PREFIX_TOKENS,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+        max_seen: int = MAX_SEEN,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"L2 budget must be positive, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._clock = clock
+        self._window = promote_window_s
+        self._large = large_prefix_tokens
+        self._max_payload = max_payload_bytes
+        self._max_seen = max_seen
+        # key -> (payload, L3 digest); order = LRU (first) to MRU (last)
+        self._pages: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self._seen: OrderedDict[bytes, float] = OrderedDict()  # key -> time of first fill
+        self._used = 0
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "promotions",
+                "first_fills",
+                "rejected_too_large",
+                "rejected_over_budget",
+                "evictions",
+                "invalidations",
+                "digest_mismatches",
+            ),
+            0,
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        """Distinct payload bytes held."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pages
+
+    def offer(
+        self, key: bytes, payload: bytes | memoryview, digest: bytes, prefix_tokens: int
+    ) -> bool:
+        """Offer a page L3 just served (a "fill"); returns True when L2 now holds it.
+
+        Args:
+            key: the page's chain key.
+            payload: the verified bytes L3 returned.
+            digest: L3's digest of those bytes (checked again on every :meth:`get`).
+            prefix_tokens: length of the prefix the page was read for.
+        """
+        size = len(payload)
+        with self._lock:
+            if key in self._pages:
+                if self._pages[key][1] == digest:
+                    self._pages.move_to_end(key)
+                    return True
+                self._drop(key)  # L3 rewrote the page: the old copy is stale
+            if size > self._max_payload:
+                self._counts["rejected_too_large"] += 1
+                return False
+            if size > self.budget_bytes:
+                self._counts["rejected_over_budget"] += 1
+                return False
+            now = self._clock()
+            if prefix_tokens < self._large:
+                first = self._seen.get(key)
+                if first is None or now - first > self._window:
+                    # First fill (or the previous one is too old): remember it, don't copy yet.
+                    self._seen[key] = now
+                    self._seen.move_to_end(key)
+                    while len(self._seen) > self._max_seen:
+                        self._seen.popitem(last=False)
+                    self._counts["first_fills"] += 1
+                    return False
+            self._seen.pop(key, None)
+            while self._used + size > self.budget_bytes and self._pages:
+                self._drop(next(iter(self._pages)))
+                self._counts["evictions"] += 1
+            # Own the bytes: a memoryview would pin whatever larger buffer it slices.
+            data = payload if isinstance(payload, bytes) else bytes(payload)
+            self._pages[key] = (data, digest)
+            self._used += size
+            self._counts["promotions"] += 1
+            return True
+
+    def get(self, key: bytes, l3_digest: bytes | None) -> bytes | None:
+        """The page if L2 holds it and L3 still holds the same bytes (``l3_digest``), else None.
+
+        A copy whose digest differs from L3's, or whose page L3 no longer has (``l3_digest`` is
+        None), is dropped: L2 must never serve what L3 would not.
+        """
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is None:
+                self._counts["misses"] += 1
+                return None
+            payload, digest = entry
+            if l3_digest is None or digest != l3_digest:
+                self._drop(key)
+                self._counts["digest_mismatches" if l3_digest is not None else "invalidations"] += 1
+                self._counts["misses"] += 1
+                return None
+            self._pages.move_to_end(key)
+            self._counts["hits"] += 1
+            return payload
+
+    def invalidate(self, key: bytes) -> None:
+        """Drop the copy of ``key`` (L3 removed, evicted or quarantined the page)."""
+        with self._lock:
+            self._seen.pop(key, None)
+            if key in self._pages:
+                self._drop(key)
+                self._counts["invalidations"] += 1
+
+    def clear(self) -> None:
+        """Drop every copy and forget every first fill."""
+        with self._lock:
+            self._pages.clear()
+            self._seen.clear()
+            self._used = 0
+
+    def _drop(self, key: bytes) -> None:
+        payload, _ = self._pages.pop(key)
+        self._used -= len(payload)
+
+    def status(self) -> RamStatus:
+        """Budget, usage and counters."""
+        with self._lock:
+            return RamStatus(
+                enabled=True,
+                budget_bytes=self.budget_bytes,
+                used_bytes=self._used,
+                pages=len(self._pages),
+                **self._counts,
+            )

@@ -1,0 +1,238 @@
+"""What the deeper tiers store and report: page blobs, prefix records, and typed status results.
+
+Everything here is plain data (frozen dataclasses) so the orchestrator, the tiers and the CLI agree
+on one vocabulary without importing each other. ``to_json()`` gives the JSON-ready dict the
+``kv-cache`` CLI prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+#: Length of a page key, a parent key and a payload digest (xxh3_128).
+KEY_BYTES = 16
+
+DiskState = Literal["off", "active", "read_only_low_space", "degraded"]
+DegradedReason = Literal["storage_unavailable", "budget_below_entry_floor", "storage_error"]
+
+
+@dataclass(frozen=True)
+class PageBlob:
+    """One serialized page and its place in the key chain.
+
+    Attributes:
+        key: 16-byte chain key of this page (opaque to the tiers).
+        parent: 16-byte key of the previous page, or the cache-identity root for page 0.
+        n_tokens: tokens the page covers.
+        tail: True for an exact-length last partial page (indexed by ``parent``).
+        payload: the serialized page (opaque to the tiers).
+    """
+
+    key: bytes
+    parent: bytes
+    n_tokens: int
+    tail: bool
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.key) != KEY_BYTES or len(self.parent) != KEY_BYTES:
+            raise ValueError("page key and parent must be 16 bytes (xxh3_128)")
+        if self.n_tokens <= 0:
+            raise ValueError(f"page n_tokens must be positive, got {self.n_tokens}")
+
+
+@dataclass(frozen=True)
+class PrefixRecord:
+    """A cached prefix: its identities and its pages in chain order (only the last may be a tail).
+
+    Attributes:
+        cache_identity: hex cache identity (the chain root).
+        model_identity: hex model id, as the operator passes it to ``--model-identity``.
+        model_name: human-readable model name for status output.
+        n_tokens: tokens covered by all pages together.
+        pages: the pages, page 0 first.
+    """
+
+    cache_identity: str
+    model_identity: str
+    model_name: str
+    n_tokens: int
+    pages: tuple[PageBlob, ...]
+
+    def __post_init__(self) -> None:
+        if not self.pages:
+            raise ValueError("a prefix record needs at least one page")
+        if any(page.tail for page in self.pages[:-1]):
+            raise ValueError("only the last page of a prefix record may be a tail")
+        for prev, page in zip(self.pages, self.pages[1:], strict=False):
+            if page.parent != prev.key:
+                raise ValueError("prefix record pages are not in chain order")
+        if sum(page.n_tokens for page in self.pages) != self.n_tokens:
+            raise ValueError("prefix record n_tokens differs from the sum of its pages")
+
+    @property
+    def manifest_id(self) -> bytes:
+        """The manifest key: the last page's chain key (it determines the whole prefix)."""
+        return self.pages[-1].key
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(page.payload) for page in self.pages)
+
+
+class _Json:
+    """Mixin: a dataclass whose ``to_json()`` is its ``asdict`` (nested dataclasses included)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload, no-any-return]
+
+
+@dataclass(frozen=True)
+class DiskUsage(_Json):
+    """Sizes and counts of the disk store (``usage`` in ``kv-cache status``)."""
+
+    budget_bytes: int = 0
+    used_bytes: int = 0
+    filesystem_available_bytes: int | None = None
+    minimum_free_bytes: int = 0
+    manifests: int = 0
+    pages: int = 0
+    quarantined: int = 0
+
+
+@dataclass(frozen=True)
+class DiskActivity(_Json):
+    """Activity counters; the store keeps them summed over every process that used it."""
+
+    hits: int = 0  # read() calls that served at least one page
+    misses: int = 0  # read() calls that served nothing, plus note_miss()
+    pages_read: int = 0
+    bytes_read: int = 0
+    writes: int = 0  # pages actually written (deduplicated pages are not writes)
+    pages_deduplicated: int = 0  # pages a record found already stored
+    bytes_written: int = 0
+    manifests_written: int = 0
+    evictions: int = 0  # manifests evicted for the budget
+    pages_evicted: int = 0
+    pruned: int = 0  # manifests removed by prune/clear
+    corrupt_entries: int = 0  # pages that failed digest/size checks (quarantined)
+    missing_pages: int = 0  # pages whose payload vanished (deleted mid-read, lost files)
+    dropped_writes: int = 0  # records not written: queue full, low space, off, errors
+    dropped_queue_full: int = 0
+    dropped_low_space: int = 0
+    storage_errors: int = 0
+    lock_timeouts: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    admission_fallback: int = 0  # admitted by write-through because costs were not measured yet
+    promotions: int = 0  # manifests that left probation (second hit)
+
+    @classmethod
+    def from_counts(cls, counts: dict[str, int]) -> DiskActivity:
+        """Build from a counter dict, ignoring names this version does not know."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: int(v) for k, v in counts.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Reconciliation(_Json):
+    """What start-up reconciliation found and did."""
+
+    ran: bool = False
+    at: float | None = None  # unix time
+    pid: int | None = None
+    seconds: float = 0.0
+    verify: Literal["sizes", "digests"] = "sizes"
+    pages_checked: int = 0
+    orphan_pages_removed: int = 0  # payloads or page metadata no manifest references
+    orphan_files_removed: int = 0  # diskcache value files without a row (interrupted writes)
+    unknown_keys: int = 0  # keys of no kind we know (left alone: not ours to delete)
+    stale_pins_removed: int = 0  # pins of processes that are gone
+    manifests_removed: int = 0  # manifests that were unreadable or whose pages are missing
+    tails_fixed: int = 0  # tail-index entries pointing at missing pages
+    quarantined: int = 0  # pages quarantined by this run
+    quarantined_total: int = 0  # quarantine records in the store after this run
+
+
+@dataclass(frozen=True)
+class InventoryEntry(_Json):
+    """Per-model totals (``inventory`` in ``kv-cache status``); pages and bytes are distinct."""
+
+    model_identity: str
+    model_name: str
+    manifests: int
+    pages: int
+    bytes: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class DiskStatus:
+    """Effective state of the disk tier, for ``kv-cache status`` (configured values come from the
+    CLI's LoadedSettings)."""
+
+    state: DiskState
+    reason: str | None
+    directory: str | None
+    usage: DiskUsage
+    activity: DiskActivity  # every process, persisted, plus this process's unflushed counts
+    process_activity: DiskActivity  # this process only
+    reconciliation: Reconciliation  # the latest one recorded in the store
+    inventory: tuple[InventoryEntry, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "effective": {"state": self.state, "reason": self.reason, "directory": self.directory},
+            "usage": self.usage.to_json(),
+            "activity": self.activity.to_json(),
+            "process_activity": self.process_activity.to_json(),
+            "reconciliation": self.reconciliation.to_json(),
+            "inventory": [entry.to_json() for entry in self.inventory],
+        }
+
+
+@dataclass(frozen=True)
+class PruneResult(_Json):
+    """What ``prune`` removed and what it had to keep."""
+
+    target_bytes: int | None
+    model_identity: str | None
+    manifests_removed: int
+    pages_removed: int
+    bytes_before: int
+    bytes_after: int
+    kept_in_use: int  # manifests skipped because a page of theirs is pinned (in use)
+    reached_target: bool
+
+
+@dataclass(frozen=True)
+class ClearResult(_Json):
+    """What ``clear`` removed; ``manifests_left`` is 0 for the scope afterwards."""
+
+    model_identity: str | None
+    manifests_removed: int
+    pages_removed: int
+    pages_kept_in_use: int  # pinned pages left in place until released
+    bytes_before: int
+    bytes_after: int
+    manifests_left: int
+
+
+@dataclass(frozen=True)
+class RamStatus(_Json):
+    """State and counters of the L2 RAM mirror."""
+
+    enabled: bool
+    budget_bytes: int
+    used_bytes: int
+    pages: int
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    first_fills: int = 0  # offers remembered, waiting for a second fill
+    rejected_too_large: int = 0
+    rejected_over_budget: int = 0
+    evictions: int = 0
+    invalidations: int = 0  # L3 removed the page
+    digest_mismatches: int = 0  # L3 holds different bytes now: the copy was dropped
