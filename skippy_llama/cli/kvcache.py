@@ -1,11 +1,285 @@
-"""Placeholder: filled in by its own issue's work."""
+"""``skippy-llama kv-cache status|prune|clear``: inspect and manage the L3 disk store.
+
+Settings come from the same flags, ``SKIPPY_*`` environment and config file as ``skippy-llama
+run`` (see :mod:`skippy_llama.cli.options`), so ``status`` describes exactly the store a run would
+use. ``status`` never changes the store (no reconciliation; it shows the latest one recorded);
+``prune`` and ``clear`` ask for confirmation unless ``--yes``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
 from typing import Any
+
+from ..config import LoadedSettings
+from ..errors import ConfigError, SkippyError
+from ..sizes import human_size, parse_size
+from ..tiers.disk import DiskTier
+from ..tiers.records import DiskStatus
+from .options import add_settings_arguments, settings_from_args
 
 
 def register(sub: Any) -> None:
-    """Register the `kvcache` subcommand (not built yet)."""
-    del sub
+    """Register ``kv-cache`` and its ``status``, ``prune`` and ``clear`` actions."""
+    parser = sub.add_parser(
+        "kv-cache",
+        help="inspect and manage the L3 disk KV cache",
+        description=(
+            "Inspect and manage the L3 disk KV cache: effective state, usage, activity, "
+            "reconciliation and per-model inventory; prune to a size or a model; clear."
+        ),
+    )
+    actions = parser.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
+
+    status = actions.add_parser("status", help="state, usage, activity and inventory")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    add_settings_arguments(status)
+    status.set_defaults(handler=cmd_status)
+
+    prune = actions.add_parser(
+        "prune",
+        help="evict least-recently-used entries to a size, or one model's entries",
+        description=(
+            "Evict least-recently-used entries (probation first) down to --target, or every "
+            "entry of --model-identity (both: that model's entries down to the target). "
+            "With neither, apply the configured budget now. Entries in use are kept."
+        ),
+    )
+    prune.add_argument("--target", metavar="SIZE", help="prune down to this size, e.g. 10GiB")
+    prune.add_argument("--model-identity", metavar="ID", help="only this model's entries")
+    prune.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    prune.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_settings_arguments(prune)
+    prune.set_defaults(handler=cmd_prune)
+
+    clear = actions.add_parser("clear", help="remove every entry, or one model's entries")
+    clear.add_argument("--model-identity", metavar="ID", help="only this model's entries")
+    clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    clear.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_settings_arguments(clear)
+    clear.set_defaults(handler=cmd_clear)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def configured(loaded: LoadedSettings) -> dict[str, dict[str, Any]]:
+    """Every settings field as ``{"l3.mode": {"value": "fixed", "source": "cli"}, ...}``."""
+    dumped = loaded.settings.model_dump(mode="json")
+    out: dict[str, dict[str, Any]] = {}
+    for name, source in sorted(loaded.sources.items()):
+        value: Any = dumped
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[name] = {"value": value, "source": source}
+    return out
+
+
+def _check_model_flag(value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ConfigError(
+            "--model-identity is blank; pass an id that `skippy-llama kv-cache status` lists "
+            "under inventory, or leave the flag out to act on every model"
+        )
+
+
+def _open_for_change(loaded: LoadedSettings, what: str) -> DiskTier:
+    l3 = loaded.settings.l3
+    if l3.mode == "off":
+        source = loaded.sources.get("l3.mode", "default")
+        raise ConfigError(
+            f"L3 is off (l3.mode = 'off', from {source}): nothing to {what}; pass --l3-mode "
+            "auto (or fixed with --l3-budget) and --l3-dir, or set SKIPPY_L3__MODE"
+        )
+    tier = DiskTier(l3, close_at_exit=False)
+    if tier.state == "degraded" and tier.reason == "storage_unavailable":
+        tier.close()
+        raise ConfigError(
+            f"cannot {what}: L3 storage at {l3.directory} is unavailable: {tier.error}"
+        )
+    return tier
+
+
+def _confirm(question: str, yes: bool) -> bool:
+    """True to go ahead. Without --yes, ask on a terminal; refuse when there is none."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise SkippyError(
+            f"{question.rstrip('?')}: needs confirmation; stdin is not a terminal, pass --yes"
+        )
+    try:
+        answer = input(f"{question} [y/N] ")
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
+# ---------------------------------------------------------------------- status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``kv-cache status [--json]``."""
+    loaded = settings_from_args(args)
+    # No reconciliation: status must not change the store; it reports the latest one recorded.
+    tier = DiskTier(loaded.settings.l3, reconcile=False, close_at_exit=False)
+    try:
+        status = tier.status()
+    finally:
+        tier.close()
+    report = status_report(loaded, status, tier)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=False))
+    else:
+        print(format_status(report))
+    return 0
+
+
+def status_report(loaded: LoadedSettings, status: DiskStatus, tier: DiskTier) -> dict[str, Any]:
+    """The ``status --json`` object: configured, effective, usage, activity, reconciliation,
+    inventory (plus this process's activity, empty for the CLI)."""
+    body = status.to_json()
+    body["effective"]["mode"] = loaded.settings.l3.mode
+    if tier.error:
+        body["effective"]["detail"] = tier.error
+    return {
+        "configured": configured(loaded),
+        "config_file": str(loaded.config_file) if loaded.config_file else None,
+        **body,
+    }
+
+
+def _when(ts: float | None) -> str:
+    return "never" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """Human-readable status."""
+    eff, usage, act = report["effective"], report["usage"], report["activity"]
+    state = eff["state"] + (f" ({eff['reason']})" if eff.get("reason") else "")
+    lines = [f"L3 disk cache: {state}"]
+    if eff.get("detail"):
+        lines.append(f"  problem      {eff['detail']}")
+    if eff["state"] != "off":
+        free = usage["filesystem_available_bytes"]
+        lines += [
+            f"  directory    {eff['directory']}",
+            f"  budget       {human_size(usage['budget_bytes'])} ({eff['mode']})",
+            f"  used         {human_size(usage['used_bytes'])}",
+            f"  free space   {'unknown' if free is None else human_size(free)}"
+            f" (reserve {human_size(usage['minimum_free_bytes'])})",
+            f"  entries      {usage['manifests']} prefixes, {usage['pages']} pages, "
+            f"{usage['quarantined']} quarantined",
+            "activity (all processes):",
+            f"  hits {act['hits']}, misses {act['misses']}, pages read {act['pages_read']} "
+            f"({human_size(act['bytes_read'])})",
+            f"  pages written {act['writes']} ({human_size(act['bytes_written'])}), "
+            f"deduplicated {act['pages_deduplicated']}, dropped writes {act['dropped_writes']}",
+            f"  evictions {act['evictions']}, pruned {act['pruned']}, "
+            f"corrupt {act['corrupt_entries']}, missing {act['missing_pages']}, "
+            f"storage errors {act['storage_errors']}, lock timeouts {act['lock_timeouts']}",
+            f"  admission: admitted {act['admitted']}, rejected {act['rejected']}, "
+            f"fallback {act['admission_fallback']}, promoted {act['promotions']}",
+        ]
+        rec = report["reconciliation"]
+        if rec["ran"]:
+            lines.append(
+                f"reconciliation (last {_when(rec['at'])}, pid {rec['pid']}, {rec['verify']}): "
+                f"{rec['pages_checked']} pages checked, "
+                f"{rec['orphan_pages_removed']} orphan pages and "
+                f"{rec['orphan_files_removed']} files removed, "
+                f"{rec['manifests_removed']} prefixes repaired, "
+                f"{rec['quarantined']} quarantined ({rec['quarantined_total']} in quarantine)"
+            )
+        else:
+            lines.append("reconciliation: none recorded yet")
+        if report["inventory"]:
+            lines.append("inventory:")
+            for entry in report["inventory"]:
+                lines.append(
+                    f"  {entry['model_identity']}  {entry['model_name']}: "
+                    f"{entry['manifests']} prefixes, {entry['pages']} pages, "
+                    f"{human_size(entry['bytes'])}, {entry['tokens']} tokens"
+                )
+        else:
+            lines.append("inventory: empty")
+    lines.append(
+        "configured:" + (f" (file {report['config_file']})" if report["config_file"] else "")
+    )
+    for name, item in report["configured"].items():
+        lines.append(f"  {name} = {item['value']!r} ({item['source']})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- prune / clear
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """``kv-cache prune [--target SIZE] [--model-identity ID] [--yes]``."""
+    loaded = settings_from_args(args)
+    _check_model_flag(args.model_identity)
+    target: int | None = None
+    if args.target is not None:
+        try:
+            target = parse_size(args.target)
+        except ValueError as exc:
+            raise ConfigError(f"invalid --target {args.target!r}: {exc}") from None
+    tier = _open_for_change(loaded, "prune")
+    try:
+        tier.check_model_identity(args.model_identity)
+        scope = f"model {args.model_identity}" if args.model_identity else "all models"
+        goal = (
+            f"down to {human_size(target)}"
+            if target is not None
+            else ("every entry" if args.model_identity else "to the budget")
+        )
+        if not _confirm(f"Prune the L3 cache at {tier.directory} ({scope}) {goal}?", args.yes):
+            print("prune cancelled", file=sys.stderr)
+            return 1
+        result = tier.prune(target, args.model_identity)
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(
+            f"pruned {result.manifests_removed} prefixes and {result.pages_removed} pages: "
+            f"{human_size(result.bytes_before)} -> {human_size(result.bytes_after)}"
+            + (f" (target {human_size(target)})" if target is not None else "")
+            + (f"; kept {result.kept_in_use} in use" if result.kept_in_use else "")
+        )
+        if not result.reached_target:
+            print("target not reached: the remaining entries are in use", file=sys.stderr)
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    """``kv-cache clear [--model-identity ID] [--yes]``."""
+    loaded = settings_from_args(args)
+    _check_model_flag(args.model_identity)
+    tier = _open_for_change(loaded, "clear")
+    try:
+        tier.check_model_identity(args.model_identity)
+        scope = f"model {args.model_identity}'s entries" if args.model_identity else "every entry"
+        if not _confirm(f"Remove {scope} from the L3 cache at {tier.directory}?", args.yes):
+            print("clear cancelled", file=sys.stderr)
+            return 1
+        result = tier.clear(args.model_identity)
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(
+            f"cleared {result.manifests_removed} prefixes and {result.pages_removed} pages: "
+            f"{human_size(result.bytes_before)} -> {human_size(result.bytes_after)}"
+            + (
+                f"; {result.pages_kept_in_use} pages in use stay until released"
+                if result.pages_kept_in_use
+                else ""
+            )
+        )
+    return 0

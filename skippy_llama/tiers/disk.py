@@ -1396,7 +1396,8 @@ class DiskTier:
             return {}
         return {str(m["model_identity"]): str(m["model_name"]) for _, m in self._load_manifests()}
 
-    def _check_model(self, model_identity: str | None) -> None:
+    def check_model_identity(self, model_identity: str | None) -> None:
+        """Raise ConfigError for a blank model identity or one the store has no entries for."""
         if model_identity is None:
             return
         if not model_identity.strip():
@@ -1432,7 +1433,7 @@ class DiskTier:
             ConfigError: blank or unknown model identity, or the store is unavailable.
         """
         self._require_store("prune")
-        self._check_model(model_identity)
+        self.check_model_identity(model_identity)
         self.flush()
         before = self.used_bytes()
         remove_all = False
@@ -1473,7 +1474,7 @@ class DiskTier:
             ConfigError: blank or unknown model identity, or the store is unavailable.
         """
         self._require_store("clear")
-        self._check_model(model_identity)
+        self.check_model_identity(model_identity)
         self.flush()
         before = self.used_bytes()
         removed = pages = kept = 0
