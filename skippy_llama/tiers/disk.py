@@ -237,7 +237,8 @@ class DiskTier:
         self._touches: dict[bytes, tuple[float, int]] = {}  # manifest id -> (last used, hits)
         self._local_pins: Counter[bytes] = Counter()
         self._listeners: list[Callable[[bytes], None]] = []
-        self._queue: queue.Queue[PrefixRecord] = queue.Queue(maxsize=settings.writer_queue)
+        # None is the stop signal (close() wakes the writer instead of waiting for its poll).
+        self._queue: queue.Queue[PrefixRecord | None] = queue.Queue(maxsize=settings.writer_queue)
         self._queued_bytes = 0
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
@@ -679,6 +680,9 @@ class DiskTier:
                 if time.monotonic() - self._last_maintain >= MAINTAIN_EVERY_S:
                     self._maintain()
                 continue
+            if rec is None:
+                self._queue.task_done()
+                break
             try:
                 self._write(rec)
             except Exception as exc:  # belt and braces: the writer thread must not die
@@ -850,6 +854,8 @@ class DiskTier:
         self._closed = True
         self._stop.set()
         if self._writer is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(None)
             self._writer.join(timeout=1.0)
         if self._cache is not None:
             with contextlib.suppress(Exception):
@@ -1010,12 +1016,21 @@ class DiskTier:
             self._fault(exc, "quarantine")
         self._removed(removed)
 
+    def _payload_readable(self, key: bytes) -> bool:
+        # A row whose value file is gone still answers ``in``; opening the value tells the truth.
+        handle = self._cache.get(_DATA + key, read=True)
+        if handle is None:
+            return False
+        if not isinstance(handle, bytes):
+            handle.close()
+        return True
+
     def _cut_back(self, key: bytes, why: str) -> None:
         """A page's payload is missing: drop its metadata and cut its manifests back."""
         removed = [key]
         try:
             with self._store_lock, self._cache.transact():
-                if (_DATA + key) in self._cache:
+                if self._payload_readable(key):
                     return  # it came back (another process rewrote it): nothing to repair
                 pins = self._live_pins(local=False)
                 raw = self._cache.get(_META + key)

@@ -1,0 +1,491 @@
+"""DiskTier (L3) on real diskcache directories with synthetic pages: no model needed."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import pytest
+import xxhash
+
+from skippy_llama.admission import AdmissionPolicy, CostModel
+from skippy_llama.config import L3Settings
+from skippy_llama.errors import ConfigError
+from skippy_llama.tiers import disk as disk_mod
+from skippy_llama.tiers.disk import ENTRY_FLOOR, DiskTier, payload_digest
+from skippy_llama.tiers.records import PageBlob, PrefixRecord
+from skippy_llama.tiers.ram import RamTier
+
+GiB = 1 << 30
+MiB = 1 << 20
+KiB = 1 << 10
+ROOT = b"\x00" * 16
+PLENTY = 500 * GiB  # free space reported by the fake statvfs
+
+
+def chain(
+    labels: list[str],
+    *,
+    size: int = 40 * KiB,
+    model: str = "m1",
+    tail_tokens: int | None = None,
+    root: bytes = ROOT,
+) -> PrefixRecord:
+    """A record whose page i is keyed by the labels up to i (shared labels = shared pages)."""
+    pages = []
+    parent = root
+    for i, label in enumerate(labels):
+        tail = tail_tokens is not None and i == len(labels) - 1
+        key = xxhash.xxh3_128_digest(parent + label.encode())
+        payload = random.Random(key).randbytes(size)
+        pages.append(PageBlob(key, parent, tail_tokens if tail else 128, tail, payload))
+        parent = key
+    n = sum(p.n_tokens for p in pages)
+    return PrefixRecord("c" * 32, model, f"name-{model}", n, tuple(pages))
+
+
+def keys_of(rec: PrefixRecord) -> list[bytes]:
+    return [p.key for p in rec.pages]
+
+
+def settings(directory: Path, **kw: Any) -> L3Settings:
+    base: dict[str, Any] = {
+        "mode": "fixed",
+        "budget": "1GiB",
+        "directory": str(directory),
+        "minimum_free": "1GiB",
+    }
+    base.update(kw)
+    return L3Settings(**base)
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+@pytest.fixture
+def open_tier(store_dir: Path) -> Iterator[Any]:
+    opened: list[DiskTier] = []
+
+    def make(free: int = PLENTY, **kw: Any) -> DiskTier:
+        opts = {k: kw.pop(k) for k in list(kw) if k in ("admission", "verify", "reconcile", "timeout")}
+        tier = DiskTier(
+            settings(kw.pop("directory", store_dir), **kw),
+            disk_free=lambda _path: free,
+            close_at_exit=False,
+            **opts,
+        )
+        opened.append(tier)
+        return tier
+
+    yield make
+    for tier in opened:
+        tier.close()
+
+
+def record_now(tier: DiskTier, rec: PrefixRecord) -> None:
+    assert tier.record(rec)
+    assert tier.flush(10)
+
+
+def page_file(directory: Path, key: bytes) -> Path:
+    """The value file diskcache keeps a (large enough) page payload in."""
+    with diskcache.Cache(str(directory)) as cache:
+        handle = cache.get(b"\x07" + key, read=True)
+        assert handle is not None and not isinstance(handle, bytes)
+        with handle:
+            return Path(handle.name)
+
+
+# ---------------------------------------------------------------------- states
+
+
+def test_off_touches_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "never"
+    tier = DiskTier(L3Settings(mode="off", directory=str(target)), close_at_exit=False)
+    assert tier.state == "off" and tier.reason is None
+    assert not target.exists()
+    rec = chain(["a"])
+    assert tier.record(rec) is False
+    assert tier.read(keys_of(rec)) == []
+    assert not tier.contains(rec.pages[0].key)
+    status = tier.status()
+    assert status.state == "off" and status.usage.manifests == 0
+    tier.close()
+    assert not target.exists()
+
+
+def test_unavailable_directory_is_degraded_not_an_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    tier = DiskTier(settings(blocker / "l3"), close_at_exit=False)
+    assert (tier.state, tier.reason) == ("degraded", "storage_unavailable")
+    assert tier.error
+    rec = chain(["a"])
+    assert tier.record(rec) is False
+    assert tier.read(keys_of(rec)) == []
+    with pytest.raises(ConfigError, match="storage_unavailable"):
+        tier.clear()
+    tier.close()
+
+
+def test_fixed_budget_below_entry_floor(open_tier: Any) -> None:
+    tier = open_tier(budget="16MiB")
+    assert (tier.state, tier.reason) == ("degraded", "budget_below_entry_floor")
+    assert tier.record(chain(["a"])) is False
+
+
+def test_auto_budget_formula(open_tier: Any) -> None:
+    minimum = 16 * GiB
+    tier = open_tier(free=100 * GiB, mode="auto", budget=None, minimum_free="16GiB")
+    used = tier.used_bytes()
+    assert tier.state == "active"
+    assert tier.budget_bytes() == min(int(0.2 * (100 * GiB + used)), 100 * GiB - minimum, 64 * GiB)
+    big = open_tier(free=10_000 * GiB, mode="auto", budget=None, minimum_free="16GiB")
+    assert big.budget_bytes() == 64 * GiB  # capped
+
+
+def test_auto_budget_just_above_reserve_is_below_floor(open_tier: Any) -> None:
+    tier = open_tier(free=16 * GiB + 10 * MiB, mode="auto", budget=None, minimum_free="16GiB")
+    assert tier.budget_bytes() < ENTRY_FLOOR
+    assert (tier.state, tier.reason) == ("degraded", "budget_below_entry_floor")
+
+
+def test_low_space_is_read_only_but_serves_reads(open_tier: Any, store_dir: Path) -> None:
+    rec = chain(["a", "b"])
+    writer = open_tier()
+    record_now(writer, rec)
+    writer.close()
+    tier = open_tier(free=512 * MiB)  # below the 1GiB reserve
+    assert tier.state == "read_only_low_space"
+    assert len(tier.read(keys_of(rec))) == 2
+    assert tier.record(chain(["x"])) is False
+    status = tier.status()
+    assert status.process_activity.writes == 0
+    assert status.process_activity.dropped_low_space == 1
+
+
+# ---------------------------------------------------------------------- record and read
+
+
+def test_round_trip_and_metadata(open_tier: Any) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b", "c"])
+    record_now(tier, rec)
+    keys = keys_of(rec)
+    assert all(tier.contains(k) for k in keys)
+    assert tier.read(keys) == [p.payload for p in rec.pages]
+    assert tier.digest(keys[1]) == payload_digest(rec.pages[1].payload)
+    assert tier.digest(b"\x01" * 16) is None
+    assert tier.refcount(keys[0]) == 1
+    # A longer key list than stored: the stored prefix is served.
+    assert len(tier.read([*keys, b"\x02" * 16])) == 3
+    status = tier.status()
+    assert (status.usage.manifests, status.usage.pages) == (1, 3)
+    assert status.activity.writes == 3 and status.activity.hits == 2
+
+
+def test_shared_pages_are_stored_once(open_tier: Any) -> None:
+    tier = open_tier()
+    first = chain(["sys", "doc", "q1"])
+    second = chain(["sys", "doc", "q2"])
+    record_now(tier, first)
+    record_now(tier, second)
+    record_now(tier, first)  # the same prefix again: nothing new
+    status = tier.status()
+    assert status.usage.pages == 4 and status.usage.manifests == 2
+    assert status.process_activity.writes == 4
+    assert status.process_activity.pages_deduplicated == 2 + 3
+    assert tier.refcount(first.pages[0].key) == 2
+    (entry,) = status.inventory
+    assert (entry.manifests, entry.pages, entry.tokens) == (2, 4, 6 * 128)
+    assert entry.bytes == sum(len(p.payload) for p in first.pages) + len(second.pages[2].payload)
+
+
+def test_tail_index(open_tier: Any) -> None:
+    tier = open_tier()
+    short = chain(["a", "t1"], tail_tokens=17)
+    longer = chain(["a", "t2"], tail_tokens=90)
+    record_now(tier, short)
+    record_now(tier, longer)
+    parent = short.pages[0].key
+    assert tier.tails(parent) == [(90, longer.pages[1].key), (17, short.pages[1].key)]
+    tier.clear()
+    assert tier.tails(parent) == []
+
+
+def test_pending_writes_land_on_close(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"])
+    assert tier.record(rec)
+    tier.close()
+    again = open_tier()
+    assert len(again.read(keys_of(rec))) == 2
+
+
+def test_activity_is_persisted_across_processes(open_tier: Any) -> None:
+    tier = open_tier()
+    rec = chain(["a"])
+    record_now(tier, rec)
+    tier.read(keys_of(rec))
+    tier.note_miss()
+    tier.close()
+    again = open_tier()
+    status = again.status()
+    assert status.activity.writes == 1 and status.activity.hits == 1
+    assert status.activity.misses == 1
+    assert status.process_activity.writes == 0
+
+
+def test_queue_full_drops_and_counts(open_tier: Any) -> None:
+    tier = open_tier(writer_queue=1)
+    gate = threading.Event()
+    real_write = tier._write
+
+    def slow_write(rec: PrefixRecord) -> None:
+        gate.wait(10)
+        real_write(rec)
+
+    tier._write = slow_write
+    results = [tier.record(chain([f"r{i}"])) for i in range(4)]
+    gate.set()
+    assert tier.flush(10)
+    assert results[0] is True and False in results
+    status = tier.status()
+    assert status.process_activity.dropped_queue_full == results.count(False)
+    assert status.process_activity.dropped_writes == results.count(False)
+
+
+def test_lock_contention_is_counted_not_raised(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier(timeout=0.05)
+    other = diskcache.Cache(str(store_dir))
+    with other.transact():  # another process holds the write lock
+        assert tier.record(chain(["a"]))
+        assert tier.flush(10)
+    other.close()
+    activity = tier.status().process_activity
+    assert activity.lock_timeouts >= 1 and activity.dropped_writes == 1
+    assert activity.storage_errors == 0
+    assert tier.state == "active"
+
+
+# ---------------------------------------------------------------------- corruption
+
+
+def test_flipped_byte_is_quarantined_and_prefix_cut(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b", "c"])
+    record_now(tier, rec)
+    keys = keys_of(rec)
+    path = page_file(store_dir, keys[1])
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    removed: list[bytes] = []
+    tier.add_removal_listener(removed.append)
+
+    assert tier.read(keys) == [rec.pages[0].payload]
+    assert keys[1] in removed and keys[2] in removed
+    assert not tier.contains(keys[1])
+    assert tier.read(keys) == [rec.pages[0].payload]  # the cut-back manifest still serves
+    status = tier.status()
+    assert status.usage.quarantined == 1 and status.usage.manifests == 1
+    assert status.activity.corrupt_entries == 1
+    tier.close()
+
+    again = open_tier()
+    assert again.reconciliation.quarantined_total == 1
+    assert again.status().reconciliation.quarantined_total == 1
+    assert len(again.read(keys)) == 1
+
+
+def test_verify_on_open_finds_flipped_byte(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"])
+    record_now(tier, rec)
+    tier.close()
+    path = page_file(store_dir, rec.pages[0].key)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    again = open_tier(verify=True)
+    result = again.reconciliation
+    assert result.verify == "digests" and result.quarantined == 1
+    assert again.read(keys_of(rec)) == []
+    assert again.status().usage.manifests == 0
+
+
+def test_truncated_page_found_by_size_check_on_open(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"])
+    record_now(tier, rec)
+    tier.close()
+    path = page_file(store_dir, rec.pages[1].key)
+    path.write_bytes(path.read_bytes()[:1000])
+    again = open_tier()
+    assert again.reconciliation.quarantined == 1
+    assert again.read(keys_of(rec)) == [rec.pages[0].payload]
+
+
+def test_file_deleted_mid_life_is_a_counted_miss(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"])
+    record_now(tier, rec)
+    page_file(store_dir, rec.pages[1].key).unlink()
+    assert tier.read(keys_of(rec)) == [rec.pages[0].payload]
+    assert tier.status().process_activity.missing_pages == 1
+    assert not tier.contains(rec.pages[1].key)
+
+
+def test_reconciliation_removes_leftovers(open_tier: Any, store_dir: Path) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"])
+    record_now(tier, rec)
+    tier.close()
+    with diskcache.Cache(str(store_dir)) as cache:
+        cache.set(b"\x07" + b"\x09" * 16, b"payload of an interrupted write")
+        pin = {"pid": 2**22 + 12345, "host": disk_mod.socket.gethostname(), "at": 0, "keys": []}
+        cache.set(b"\x01" + b"\x05" * 16, json.dumps(pin).encode())
+        cache.delete(b"\x06" + rec.pages[1].key)  # a manifest whose page metadata vanished
+    again = open_tier()
+    result = again.reconciliation
+    assert result.orphan_pages_removed >= 1
+    assert result.stale_pins_removed == 1
+    assert result.manifests_removed == 1
+    assert again.read(keys_of(rec)) == [rec.pages[0].payload]  # cut back, still useful
+    assert again.status().usage.pages == 1
+
+
+# ---------------------------------------------------------------------- eviction, prune, clear
+
+
+def test_budget_eviction_lru_probation_first(open_tier: Any) -> None:
+    tier = open_tier(budget="64MiB")
+    protected = chain(["p0", "p1"], size=4 * MiB)
+    record_now(tier, protected)
+    for _ in range(2):  # two hits: leaves probation
+        assert len(tier.read(keys_of(protected))) == 2
+    tier.flush()
+    evicted: list[bytes] = []
+    tier.add_removal_listener(evicted.append)
+    records = [chain([f"r{i}a", f"r{i}b"], size=4 * MiB) for i in range(12)]  # 96 MiB
+    for rec in records:
+        record_now(tier, rec)
+    status = tier.status()
+    assert status.usage.used_bytes <= 64 * MiB
+    assert status.activity.evictions > 0 and status.activity.promotions == 1
+    assert len(tier.read(keys_of(protected))) == 2  # protected survived newer probation entries
+    assert len(tier.read(keys_of(records[-1]))) == 2  # the newest survived
+    assert tier.read(keys_of(records[0])) == []  # the oldest probation entry went
+    assert records[0].pages[0].key in evicted
+
+
+def test_prune_to_target_keeps_pinned(open_tier: Any) -> None:
+    tier = open_tier()
+    recs = [chain([f"r{i}a", f"r{i}b"], size=100 * KiB) for i in range(5)]
+    for rec in recs:
+        record_now(tier, rec)
+    token = tier.pin(keys_of(recs[0]))  # the oldest, would go first
+    result = tier.prune(target_bytes=1)
+    assert result.kept_in_use == 1 and not result.reached_target
+    assert result.manifests_removed == 4 and result.pages_removed == 8
+    assert len(tier.read(keys_of(recs[0]))) == 2
+    tier.unpin(token)
+    result = tier.prune(target_bytes=1)
+    assert result.manifests_removed == 1
+    assert tier.status().usage.manifests == 0
+
+
+def test_prune_to_target_size(open_tier: Any) -> None:
+    tier = open_tier()
+    for i in range(8):
+        record_now(tier, chain([f"r{i}a", f"r{i}b"], size=200 * KiB))
+    before = tier.used_bytes()
+    target = before // 2
+    result = tier.prune(target_bytes=target)
+    assert result.bytes_before == before and result.bytes_after <= target
+    assert result.reached_target and 0 < result.manifests_removed < 8
+
+
+def test_prune_and_clear_by_model(open_tier: Any) -> None:
+    tier = open_tier()
+    record_now(tier, chain(["a1", "a2"], model="aa"))
+    record_now(tier, chain(["b1", "b2"], model="bb"))
+    record_now(tier, chain(["b1", "b3"], model="bb"))
+    with pytest.raises(ConfigError, match="blank"):
+        tier.prune(model_identity="  ")
+    with pytest.raises(ConfigError, match=r"unknown model identity 'zz'.*aa \(name-aa\).*bb"):
+        tier.clear(model_identity="zz")
+    result = tier.prune(model_identity="bb")
+    assert result.manifests_removed == 2 and result.pages_removed == 3
+    assert tier.model_identities() == {"aa": "name-aa"}
+    record_now(tier, chain(["b1", "b2"], model="bb"))
+    cleared = tier.clear(model_identity="aa")
+    assert cleared.manifests_left == 0 and cleared.manifests_removed == 1
+    assert set(tier.model_identities()) == {"bb"}
+    everything = tier.clear()
+    assert everything.manifests_left == 0
+    status = tier.status()
+    assert (status.usage.manifests, status.usage.pages) == (0, 0)
+
+
+def test_clear_keeps_pinned_pages_until_released(open_tier: Any) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"])
+    record_now(tier, rec)
+    with tier.pinned(keys_of(rec)):
+        result = tier.clear()
+        assert result.manifests_left == 0 and result.pages_kept_in_use == 2
+        assert len(tier.read(keys_of(rec))) == 2  # in use: still readable
+    tier.prune()
+    assert tier.status().usage.pages == 0
+
+
+def test_removal_listener_invalidates_l2(open_tier: Any) -> None:
+    tier = open_tier()
+    ram = RamTier(16 * MiB)
+    tier.add_removal_listener(ram.invalidate)
+    rec = chain(["a"])
+    record_now(tier, rec)
+    (payload,) = tier.read(keys_of(rec))
+    key = rec.pages[0].key
+    digest = tier.digest(key)
+    assert digest is not None
+    assert ram.offer(key, payload, digest, prefix_tokens=5000)
+    assert ram.get(key, tier.digest(key)) == payload
+    tier.clear()
+    assert key not in ram
+    assert ram.get(key, tier.digest(key)) is None
+
+
+# ---------------------------------------------------------------------- admission
+
+
+def test_admission_rejects_records_that_restore_slower_than_prefill(open_tier: Any) -> None:
+    costs = CostModel()
+    costs.observe_prefill(1000, 0.001)  # 1 µs per token: a very fast GPU
+    costs.observe_restore(1000, 1.0)  # 1 ms per byte: a very slow disk
+    policy = AdmissionPolicy(costs)
+    tier = open_tier(admission=policy)
+    record_now(tier, chain(["a", "b"]))
+    status = tier.status()
+    assert status.usage.manifests == 0
+    assert status.process_activity.rejected == 1 and status.process_activity.writes == 0
+
+
+def test_admission_falls_back_to_write_through(open_tier: Any) -> None:
+    policy = AdmissionPolicy()
+    tier = open_tier(admission=policy)
+    rec = chain(["a"])
+    record_now(tier, rec)
+    assert tier.status().process_activity.admission_fallback == 1
+    assert policy.counters.fallback == 1
+    tier.read(keys_of(rec))
+    tier.flush()
+    assert policy.reuse_probability == pytest.approx((1 + 1) / (1 + 2))
