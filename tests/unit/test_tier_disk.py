@@ -18,8 +18,8 @@ from skippy_llama.config import L3Settings
 from skippy_llama.errors import ConfigError
 from skippy_llama.tiers import disk as disk_mod
 from skippy_llama.tiers.disk import ENTRY_FLOOR, DiskTier, payload_digest
-from skippy_llama.tiers.records import PageBlob, PrefixRecord
 from skippy_llama.tiers.ram import RamTier
+from skippy_llama.tiers.records import PageBlob, PrefixRecord
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -74,7 +74,9 @@ def open_tier(store_dir: Path) -> Iterator[Any]:
     opened: list[DiskTier] = []
 
     def make(free: int = PLENTY, **kw: Any) -> DiskTier:
-        opts = {k: kw.pop(k) for k in list(kw) if k in ("admission", "verify", "reconcile", "timeout")}
+        opts = {
+            k: kw.pop(k) for k in list(kw) if k in ("admission", "verify", "reconcile", "timeout")
+        }
         tier = DiskTier(
             settings(kw.pop("directory", store_dir), **kw),
             disk_free=lambda _path: free,
