@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
-from pydantic import model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -94,13 +102,20 @@ class L3Settings(BaseModel):
     minimum_free: Size = 16 * GiB
     writer_queue: int = Field(64, ge=1, le=4096, description="pending background writes")
 
+    @field_validator("minimum_free")
+    @classmethod
+    def _reserve_floor(cls, value: int) -> int:
+        # A field validator (not the model one) so the error is located at l3.minimum_free.
+        if value < GiB:
+            raise ValueError(f"{format_size(value)} is below the 1GiB floor")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> L3Settings:
         if self.mode == "fixed" and self.budget is None:
-            raise ValueError("l3.mode 'fixed' needs l3.budget, e.g. SKIPPY_L3__BUDGET=32GiB")
-        if self.minimum_free < GiB:
             raise ValueError(
-                f"l3.minimum_free {format_size(self.minimum_free)} is below the 1GiB floor"
+                "l3.mode 'fixed' needs l3.budget (none given), e.g. SKIPPY_L3__BUDGET=32GiB "
+                "or --l3-budget 32GiB"
             )
         return self
 
@@ -199,8 +214,10 @@ def config_error(exc: ValidationError) -> ConfigError:
         message = err["msg"].removeprefix("Value error, ")
         example = _EXAMPLES.get(loc)
         hint = f" (example of a valid value: {example})" if example else ""
-        shown = value if not isinstance(value, dict) else "{…}"
-        lines.append(f"invalid setting {loc} = {shown!r}: {message}{hint}")
+        if isinstance(value, dict):  # a model-level check: the message names the fields
+            lines.append(f"invalid setting {loc}: {message}")
+        else:
+            lines.append(f"invalid setting {loc} = {value!r}: {message}{hint}")
     return ConfigError("; ".join(lines))
 
 

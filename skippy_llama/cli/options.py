@@ -21,7 +21,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """
     group = parser.add_argument_group("cache settings (override SKIPPY_* env and the config file)")
     group.add_argument(
-        "--config", metavar="FILE", default=None, help="TOML settings file (default: $SKIPPY_CONFIG)"
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML settings file (default: $SKIPPY_CONFIG)",
     )
     group.add_argument(
         "--page-tokens", metavar="N", default=None, help="tokens per KV page (default 128)"
@@ -30,7 +33,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--namespace", metavar="NAME", default=None, help="namespace mixed into the cache identity"
     )
     group.add_argument(
-        "--l2-budget", metavar="SIZE", default=None, help="RAM mirror budget, e.g. 2GiB (default off)"
+        "--l2-budget",
+        metavar="SIZE",
+        default=None,
+        help="RAM mirror budget, e.g. 2GiB (default off)",
     )
     group.add_argument(
         "--l3-mode",
@@ -39,9 +45,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         help="disk tier mode (default off)",
     )
     group.add_argument(
-        "--l3-budget", metavar="SIZE", default=None, help="disk budget for --l3-mode fixed, e.g. 32GiB"
+        "--l3-budget",
+        metavar="SIZE",
+        default=None,
+        help="disk budget for --l3-mode fixed, e.g. 32GiB",
     )
-    group.add_argument("--l3-dir", metavar="DIR", default=None, help="absolute disk-cache directory")
+    group.add_argument(
+        "--l3-dir", metavar="DIR", default=None, help="absolute disk-cache directory"
+    )
     group.add_argument(
         "--l3-minimum-free",
         metavar="SIZE",
