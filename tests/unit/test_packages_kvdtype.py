@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import gguf
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skippy_llama.errors import ConfigError
 from skippy_llama.packages.kvdtype import (
@@ -295,3 +299,42 @@ def test_resolution_is_json_ready_and_describable() -> None:
     d = r.to_dict()
     assert d["type_k"] == "F16" and d["rule"] == RULE_COMPUTE and isinstance(d["skipped"], dict)
     assert r.describe().startswith("K=F16 V=F16 by publisher_compute_dtype")
+
+
+_VALUES = st.one_of(
+    st.sampled_from(
+        ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "int4", "q8_0", "auto", "fp8"]
+    ),
+    st.integers(min_value=0, max_value=1 << 20),
+    st.booleans(),
+    st.none(),
+)
+_KEYS = st.sampled_from(
+    ["torch_dtype", "dtype", "num_hidden_layers", "hidden_size", "bits", "quant_method", "x"]
+)
+_CONFIGS = st.recursive(
+    st.dictionaries(_KEYS, _VALUES, max_size=6),
+    lambda inner: st.dictionaries(
+        st.sampled_from(["quantization_config", "text_config", "rope_parameters"]), inner
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(config=_CONFIGS, gen=st.one_of(st.none(), st.dictionaries(_KEYS, _VALUES, max_size=4)))
+def test_no_declaration_means_no_quantized_cache(config: Cfg, gen: Cfg | None) -> None:
+    """Whatever else a config says, without kv_cache_dtype/kv_cache_scheme K/V stay float."""
+    r = resolve_kv_dtype(user_k=None, user_v=None, publisher=pub(config, gen))
+    assert r.rule != RULE_DECLARATION
+    assert r.type_k == r.type_v and r.type_k in ("F16", "F32")
+
+
+def test_packages_do_not_import_llama_cpp() -> None:
+    """The packages layer sits below the runtime (DESIGN §2)."""
+    code = (
+        "import sys, skippy_llama.packages.loader, skippy_llama.packages.create\n"
+        "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr

@@ -91,7 +91,7 @@ def manifest_dict(**over: Any) -> dict[str, Any]:
         geometry=Geometry(architecture="llama", layers=2),
         validation=Validation(publisher_metadata="validated", reasons=["ok"]),
     )
-    d = json.loads(m.model_dump_json())
+    d: dict[str, Any] = json.loads(m.model_dump_json())
     d.update(over)
     return d
 
