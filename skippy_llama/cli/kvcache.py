@@ -242,6 +242,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
         result = tier.prune(target, args.model_identity)
     finally:
         tier.close()
+    if not result.reached_target:
+        print(
+            f"target not reached: {result.kept_in_use} entries are in use and were kept",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -251,8 +256,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
             + (f" (target {human_size(target)})" if target is not None else "")
             + (f"; kept {result.kept_in_use} in use" if result.kept_in_use else "")
         )
-        if not result.reached_target:
-            print("target not reached: the remaining entries are in use", file=sys.stderr)
     return 0
 
 
