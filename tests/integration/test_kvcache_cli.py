@@ -62,6 +62,9 @@ def main(spec):
     model = spec.get("model", "m1")
     for labels in spec.get("record", []):
         out["recorded"].append(tier.record(make_record(labels, spec["size"], model)))
+    if spec.get("exit_without_close"):
+        print(json.dumps(out))
+        return  # the atexit hook must land the queued records
     out["flushed"] = tier.flush(60)
     for labels in spec.get("read", []):
         rec = make_record(labels, spec["size"], model)
@@ -365,6 +368,16 @@ def test_four_processes_write_each_page_once(tmp_path: Path) -> None:
     assert sum(o["process_activity"]["writes"] for o in outs) == distinct
     usage = status_json(store)["usage"]
     assert (usage["pages"], usage["manifests"]) == (distinct, 3)
+
+
+def test_pending_writes_land_at_normal_exit(tmp_path: Path) -> None:
+    store = tmp_path / "l3"
+    labels = [[f"p{i}", "x", "y"] for i in range(5)]
+    spec = {"dir": str(store), "size": 200 * KiB, "record": labels, "exit_without_close": True}
+    out = finish(worker(spec))
+    assert out["recorded"] == [True] * 5
+    usage = status_json(store)["usage"]
+    assert (usage["manifests"], usage["pages"]) == (5, 15)
 
 
 def test_low_space_is_read_only_and_still_serves(tmp_path: Path) -> None:
