@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import threading
@@ -491,3 +492,37 @@ def test_admission_falls_back_to_write_through(open_tier: Any) -> None:
     tier.read(keys_of(rec))
     tier.flush()
     assert policy.reuse_probability == pytest.approx((1 + 1) / (1 + 2))
+
+
+class _BrokenCache:
+    """Stands in for diskcache when the disk fails: every call raises EIO."""
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EIO, "Input/output error")
+
+    def __getattr__(self, name: str) -> Any:
+        return self._fail
+
+    def __contains__(self, key: object) -> bool:
+        return bool(self._fail())
+
+
+def test_io_errors_fail_open_then_recover(open_tier: Any) -> None:
+    tier = open_tier()
+    rec = chain(["a"])
+    record_now(tier, rec)
+    keys = keys_of(rec)
+    real = tier._cache
+    tier._cache = _BrokenCache()
+    for _ in range(3):
+        assert tier.read(keys) == []
+    assert (tier.state, tier.reason) == ("degraded", "storage_error")
+    assert tier.contains(keys[0]) is False and tier.digest(keys[0]) is None
+    assert tier.tails(keys[0]) == []
+    assert tier.record(chain(["b"])) is True  # still tried: the fault may be transient
+    assert tier.flush(10)
+    activity = tier.status().process_activity
+    assert activity.storage_errors >= 4 and activity.dropped_writes == 1
+    tier._cache = real
+    assert len(tier.read(keys)) == 1
+    assert tier.state == "active"
