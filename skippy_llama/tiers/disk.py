@@ -297,7 +297,8 @@ class DiskTier:
 
     @property
     def reason(self) -> str | None:
-        """Why the state is ``degraded`` (or ``read_only_low_space``), else None."""
+        """Why the state is ``degraded`` (``storage_unavailable``, ``budget_below_entry_floor``,
+        ``storage_error``), else None."""
         return self._reason
 
     def _set_state(self, state: DiskState, reason: str | None) -> None:
