@@ -77,9 +77,16 @@ class L1Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
-    max_prefixes: int = Field(8, ge=1, le=64, description="resident prefixes kept at once")
+    max_prefixes: int = Field(
+        4, ge=1, le=64, description="resident prefixes; each is a KV stream of n_ctx cells"
+    )
     budget_tokens: int | None = Field(
-        None, ge=1, description="resident-token budget; default n_ctx/2"
+        None,
+        ge=1,
+        description="resident-token budget; default max_prefixes * n_ctx (streams are preallocated)",
+    )
+    repair_generated: bool = Field(
+        True, description="re-decode generated tokens as a batch so later turns reuse them exactly"
     )
 
 
@@ -135,9 +142,9 @@ class Settings(BaseSettings):
     page_tokens: int = Field(128, ge=16, le=8192, description="tokens per page")
     namespace: str = Field("", description="user namespace mixed into the cache identity")
     cross_backend: bool = Field(False, description="share pages across CPU/CUDA/Metal/Vulkan")
-    l1: L1Settings = Field(default_factory=L1Settings)
+    l1: L1Settings = Field(default_factory=lambda: L1Settings())
     l2: L2Settings = Field(default_factory=L2Settings)
-    l3: L3Settings = Field(default_factory=L3Settings)
+    l3: L3Settings = Field(default_factory=lambda: L3Settings())
 
     @classmethod
     def settings_customise_sources(

@@ -19,6 +19,8 @@ class CacheEvent:
         cached_tokens: prompt tokens restored instead of prefilled.
         restored_bytes: state bytes loaded into the context (0 for L1 sequence copies).
         suffix_tokens: prompt tokens prefilled.
+        repaired_tokens: generated tokens re-decoded as a batch after the reply, so that the next
+            turn can reuse them bit-exactly (see ``l1.repair_generated``).
         lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
         fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
     """
@@ -28,6 +30,7 @@ class CacheEvent:
     cached_tokens: int = 0
     restored_bytes: int = 0
     suffix_tokens: int = 0
+    repaired_tokens: int = 0
     lookup_ms: float = 0.0
     restore_ms: float = 0.0
     prefill_ms: float = 0.0

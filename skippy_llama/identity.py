@@ -166,7 +166,9 @@ def page_keys(
     return keys
 
 
-def paging_refusal(architecture: str, tensor_names: Iterable[str], *, recurrent: bool) -> str | None:
+def paging_refusal(
+    architecture: str, tensor_names: Iterable[str], *, recurrent: bool
+) -> str | None:
     """Why a model's state must not be paged, or ``None`` when paging is sound.
 
     Recurrent, hybrid and SSM models carry state beyond attention KV, so a prefix of cells is not

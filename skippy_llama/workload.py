@@ -128,7 +128,9 @@ def builtin_workload(max_tokens: int = 24) -> list[Request]:
                 f"Read the document and answer the question in one sentence.\n\n"
                 f"Document:\n{DOCUMENTS[doc]}\n\nQuestion: {question}\nAnswer:"
             )
-            requests.append(Request(label=f"doc {doc} q{i + 1}", prompt=prompt, max_tokens=max_tokens))
+            requests.append(
+                Request(label=f"doc {doc} q{i + 1}", prompt=prompt, max_tokens=max_tokens)
+            )
     return requests
 
 
@@ -157,7 +159,9 @@ def load_jsonl(path: Path, max_tokens: int = 24) -> list[Request]:
         if isinstance(obj.get("prompt"), str):
             requests.append(Request(label=label, prompt=obj["prompt"], max_tokens=tokens))
         elif isinstance(obj.get("messages"), list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
             for m in obj["messages"]
         ):
             requests.append(Request(label=label, messages=obj["messages"], max_tokens=tokens))

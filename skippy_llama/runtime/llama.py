@@ -9,11 +9,12 @@ suffix is decoded; after a request, the evaluated sequence is parked for later p
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 import llama_cpp._internals as internals
@@ -26,6 +27,7 @@ from ..identity import CacheIdentity, ModelIdentity, file_digest, paging_refusal
 from ..state import KVLayout, parse_state
 from ..tiers.resident import ResidentIndex, common_prefix
 from . import native
+from .timing import on_first_token
 
 log = logging.getLogger("skippy_llama")
 
@@ -66,10 +68,11 @@ class SkippyLlama(llama_cpp.Llama):
         settings = self.cache_settings
         self._n_ctx_user = self._n_ctx
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
-        budget = settings.l1.budget_tokens or self._n_ctx_user // 2
+        # each resident prefix owns a preallocated KV stream, so by default every slot may fill
+        budget = settings.l1.budget_tokens or self._n_ctx_user * slots
         resident: ResidentIndex | None = None
         if self.cache_disabled_reason is None and slots > 0:
-            self._recreate_context(extra_cells=budget, n_seq_max=1 + slots)
+            self._recreate_context(n_seq_max=1 + slots)
             resident = ResidentIndex(range(1, slots + 1), budget, settings.page_tokens)
         elif self.cache_disabled_reason is not None:
             log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
@@ -83,22 +86,24 @@ class SkippyLlama(llama_cpp.Llama):
 
     # -- context and identity -------------------------------------------------------------
 
-    def _recreate_context(self, *, extra_cells: int, n_seq_max: int) -> None:
-        # Llama.__init__ offers no n_seq_max/kv_unified, so the context it made is replaced by
-        # one with spare sequences in a single unified cache; the user-visible n_ctx stays.
+    def _recreate_context(self, *, n_seq_max: int) -> None:
+        # Llama.__init__ offers no n_seq_max, so the context it made is replaced by one with a
+        # KV stream per sequence. Streams, not one unified cache: attention sums over cells in
+        # cell order, so a prefix is only bit-exact when the working sequence sits in cells
+        # [0, n) exactly as in a cold run; a cross-stream copy keeps every cell index.
         params = llama_cpp.llama_context_params.from_buffer_copy(self.context_params)
-        params.n_ctx = self._n_ctx_user + extra_cells
+        params.n_ctx = self._n_ctx_user * n_seq_max
         params.n_seq_max = n_seq_max
-        params.kv_unified = True
-        self._ctx.close()
+        params.kv_unified = False
+        self._ctx.close()  # type: ignore[no-untyped-call]
         self._ctx = self._stack.enter_context(
             contextlib.closing(
                 internals.LlamaContext(model=self._model, params=params, verbose=self.verbose)
             )
         )
         if self._lora_adapter is not None:
-            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)
-            scales = (llama_cpp.ctypes.c_float * 1)(self.lora_scale)
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)  # type: ignore[misc]
+            scales = (ctypes.c_float * 1)(self.lora_scale)
             llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales)
         self.n_tokens = 0
 
@@ -152,7 +157,7 @@ class SkippyLlama(llama_cpp.Llama):
                 float(p.rope_scaling_type),
             ),
             n_swa=int(llama_cpp.llama_model_n_swa(model)),
-            kv_unified=True,
+            kv_unified=False,
             backend="any" if self.cache_settings.cross_backend else native.backend_name(),
             namespace=self.cache_settings.namespace,
         )
@@ -182,26 +187,25 @@ class SkippyLlama(llama_cpp.Llama):
 
     def _copy_resident(self, found: LookupResult, tokens: np.ndarray[Any, Any]) -> None:
         assert found.seq_id is not None
-        native.seq_rm(self.ctx, WORKING_SEQ)
-        native.seq_cp(self.ctx, found.seq_id, WORKING_SEQ, 0, found.n_tokens)
+        native.copy_stream(self.ctx, found.seq_id, WORKING_SEQ, keep=found.n_tokens)
         self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
         self.n_tokens = found.n_tokens
         self._requires_eval = True
 
-    def _park(self) -> None:
-        """Keep the working sequence resident in a spare sequence id for later prompts."""
+    def _park(self, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` of the working sequence resident for later prompts."""
         resident = self.prefix_cache.resident
-        if resident is None or self.n_tokens == 0:
+        n_tokens = min(n_tokens, self.n_tokens)
+        if resident is None or n_tokens == 0:
             return
-        tokens = self.input_ids[: self.n_tokens].astype(np.int32)
+        tokens = self.input_ids[:n_tokens].astype(np.int32)
         plan = resident.plan_park(tokens)
         if plan is None:
             self.prefix_cache.counters.park_skipped += 1
             return
         for seq_id in plan.evict:
             native.seq_rm(self.ctx, seq_id)
-        native.seq_rm(self.ctx, plan.seq_id)
-        native.seq_cp(self.ctx, WORKING_SEQ, plan.seq_id, 0, plan.n_tokens)
+        native.copy_stream(self.ctx, WORKING_SEQ, plan.seq_id, keep=plan.n_tokens)
         resident.commit_park(plan, self.prefix_cache.root, tokens)
         self.prefix_cache.counters.parked += 1
 
@@ -217,29 +221,35 @@ class SkippyLlama(llama_cpp.Llama):
         started = time.perf_counter()
         self._restore(prompt, event)
         self._in_generate = True
-        first = True
-        inner = super().generate(tokens, *args, **kwargs)
+
+        def first() -> None:
+            event.ttft_ms = (time.perf_counter() - started) * 1e3
+            event.prefill_ms = event.ttft_ms - event.lookup_ms - event.restore_ms
+
         try:
-            sent: Sequence[int] | None = None
-            while True:
-                try:
-                    token = next(inner) if first else inner.send(sent)
-                except StopIteration:
-                    return
-                if first:
-                    first = False
-                    event.ttft_ms = (time.perf_counter() - started) * 1e3
-                    event.prefill_ms = event.ttft_ms - event.lookup_ms - event.restore_ms
-                    event.suffix_tokens = event.prompt_tokens - event.cached_tokens
-                    self.last_cache_event = event
-                sent = yield token
+            yield from on_first_token(super().generate(tokens, *args, **kwargs), first)
         finally:
-            inner.close()
             self._in_generate = False
-            if first:
-                event.suffix_tokens = event.prompt_tokens - event.cached_tokens
-                self.last_cache_event = event
-            self._park()
+            event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+            event.repaired_tokens = self._repair(len(prompt))
+            self.last_cache_event = event
+            self._park(self.n_tokens)
+
+    def _repair(self, n_prompt: int) -> int:
+        """Re-decode generated tokens as one batch so their cells equal a cold prefill's.
+
+        Tokens decoded one at a time take llama.cpp's single-row kernels, whose results differ
+        in the low bits from the batched prefill a cold prompt would get; parking them as they
+        are would make the next turn's output depend on the cache. Returns the tokens re-decoded.
+        """
+        n_generated = self.n_tokens - n_prompt
+        if not self.cache_settings.l1.repair_generated or n_generated <= 0:
+            return 0
+        generated = self.input_ids[n_prompt : self.n_tokens].tolist()
+        native.seq_rm(self.ctx, WORKING_SEQ, n_prompt, -1)
+        self.n_tokens = n_prompt
+        super().eval(generated)
+        return n_generated
 
     def eval(self, tokens: Sequence[int]) -> None:
         """``Llama.eval`` that restores a cached prefix first when called on its own.
@@ -256,10 +266,12 @@ class SkippyLlama(llama_cpp.Llama):
         started = time.perf_counter()
         self._restore(whole, event)
         super().eval(whole[self.n_tokens :].tolist())
-        event.prefill_ms = (time.perf_counter() - started) * 1e3 - event.lookup_ms - event.restore_ms
+        event.prefill_ms = (
+            (time.perf_counter() - started) * 1e3 - event.lookup_ms - event.restore_ms
+        )
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
         self.last_cache_event = event
-        self._park()
+        self._park(len(whole))
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""
@@ -267,7 +279,7 @@ class SkippyLlama(llama_cpp.Llama):
         if isinstance(result, Iterator):
             return result
         event = self.last_cache_event
-        usage = result.get("usage")
+        usage = cast("dict[str, Any] | None", result.get("usage"))
         if isinstance(usage, dict):
             usage["prompt_tokens_details"] = {
                 "cached_tokens": event.cached_tokens if event is not None else 0

@@ -43,6 +43,17 @@ def seq_cp(ctx: Any, src: int, dst: int, p0: int, p1: int) -> None:
     llama_cpp.llama_memory_seq_cp(memory(ctx), src, dst, p0, p1)
 
 
+def copy_stream(ctx: Any, src: int, dst: int, keep: int) -> None:
+    """Make sequence ``dst`` a copy of the first ``keep`` positions of ``src``.
+
+    Each sequence has its own KV stream, so this copies the whole stream buffer (on the device,
+    at the next decode) and then trims: every cell keeps its index, which keeps attention's
+    summation order, and so the logits, identical to those of a cold prefill.
+    """
+    llama_cpp.llama_memory_seq_cp(memory(ctx), src, dst, -1, -1)
+    llama_cpp.llama_memory_seq_rm(memory(ctx), dst, keep, -1)
+
+
 def seq_rm(ctx: Any, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
     """Remove positions ``[p0, p1)`` of one sequence (``-1`` = open bound)."""
     return bool(llama_cpp.llama_memory_seq_rm(memory(ctx), seq_id, p0, p1))

@@ -176,7 +176,9 @@ def _parse_stream(
         else:
             v_type, v_row = r.take("<iQ", f"V header of layer {il}")
             _check_row(v_row, f"V row size of layer {il}")
-            vs.append((v_type, v_row, 0, r.array(v_row * cells, f"V of layer {il}").reshape(cells, v_row)))
+            vs.append(
+                (v_type, v_row, 0, r.array(v_row * cells, f"V of layer {il}").reshape(cells, v_row))
+            )
     layers = tuple(
         LayerLayout(k_type=k[0], k_row=k[1], v_type=v[0], v_unit=v[1], v_embd=v[2])
         for k, v in zip(ks, vs, strict=True)

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 import xxhash
 
 # ggml type ids of the row types we name in messages; others are carried as plain integers.
-GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 30: "BF16"}
+GGML_TYPE_NAMES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    30: "BF16",
+}
 FLOAT_TYPES = frozenset({0, 1, 30})
 
 
@@ -68,9 +77,13 @@ class KVLayout:
         return f"{self.n_layer} layers, {types}, v_trans={int(self.v_trans)}"
 
     def digest(self) -> str:
-        """A stable hex digest of the layout, used in the cache identity."""
+        """A stable hex digest of the layout, used in the cache identity.
+
+        Stream count and index are left out: they place cells, they do not change their bytes,
+        and ``assemble`` writes the live context's own placement.
+        """
         h = xxhash.xxh3_128()
-        h.update(f"{int(self.v_trans)}|{self.n_stream}|{self.stream}|{self.ext_bytes}".encode())
+        h.update(f"{int(self.v_trans)}|{self.ext_bytes}".encode())
         for layer in self.layers:
             h.update(
                 f"|{layer.k_type},{layer.k_row},{layer.v_type},{layer.v_unit},{layer.v_embd}".encode()

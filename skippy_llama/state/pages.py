@@ -58,23 +58,24 @@ class Page:
 
     def to_bytes(self) -> bytes:
         """Serialize the page (one copy of its payload)."""
-        out = np.empty(self.nbytes, dtype=np.uint8)
+        buf = bytearray(self.nbytes)
+        out = np.frombuffer(buf, dtype=np.uint8)
         flags = 1 if self.layout.v_trans else 0
         _HEADER.pack_into(
-            out, 0, PAGE_MAGIC, PAGE_FORMAT_VERSION, flags, self.layout.n_layer,
+            buf, 0, PAGE_MAGIC, PAGE_FORMAT_VERSION, flags, self.layout.n_layer,
             self.start, self.n_tokens, self.layout.ext_bytes, 0,
         )  # fmt: skip
         off = _HEADER.size
         for layer in self.layout.layers:
             _LAYER.pack_into(
-                out, off, layer.k_type, layer.k_row, layer.v_type, layer.v_unit, layer.v_embd
+                buf, off, layer.k_type, layer.k_row, layer.v_type, layer.v_unit, layer.v_embd
             )
             off += _LAYER.size
         for arr in (self.ext, *self.k, *self.v):
             n = arr.size
             out[off : off + n].reshape(arr.shape)[...] = arr
             off += n
-        return out.tobytes()
+        return bytes(buf)
 
 
 def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:
@@ -90,7 +91,9 @@ def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:
     if magic != PAGE_MAGIC:
         raise StateFormatError(f"not a skippy page (magic {bytes(magic)!r})")
     if version != PAGE_FORMAT_VERSION:
-        raise StateFormatError(f"page format version {version}, this build reads {PAGE_FORMAT_VERSION}")
+        raise StateFormatError(
+            f"page format version {version}, this build reads {PAGE_FORMAT_VERSION}"
+        )
     if not 1 <= n_layer <= 4096 or n_tokens == 0 or flags > 1:
         raise StateFormatError(f"implausible page header: {n_layer} layers, {n_tokens} tokens")
     off = _HEADER.size
@@ -101,6 +104,8 @@ def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:
         layers.append(LayerLayout(*_LAYER.unpack_from(buf, off)))
         off += _LAYER.size
     layout = KVLayout(v_trans=bool(flags & 1), layers=tuple(layers), ext_bytes=ext_bytes)
+    if any((layer.v_embd > 0) != layout.v_trans for layer in layers):
+        raise StateFormatError("page layer table disagrees with its v_trans flag")
     expected = off + n_tokens * (ext_bytes + layout.kv_bytes_per_cell)
     if len(buf) != expected:
         raise StateFormatError(f"page is {len(buf)} bytes, its header says {expected}")
@@ -116,7 +121,9 @@ def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:
     ext = take((n_tokens, ext_bytes))
     k = tuple(take((n_tokens, layer.k_row)) for layer in layers)
     v = tuple(
-        take((layer.v_embd, n_tokens * layer.v_unit)) if layout.v_trans else take((n_tokens, layer.v_unit))
+        take((layer.v_embd, n_tokens * layer.v_unit))
+        if layout.v_trans
+        else take((n_tokens, layer.v_unit))
         for layer in layers
     )
     return Page(start, n_tokens, layout, ext, k, v)
@@ -151,7 +158,9 @@ def slice_state(state: SequenceState, start: int, end: int) -> Page:
     """
     state = _sorted(state)
     if not 0 <= start < end <= state.n_tokens:
-        raise StateFormatError(f"range [{start}, {end}) outside the state's {state.n_tokens} tokens")
+        raise StateFormatError(
+            f"range [{start}, {end}) outside the state's {state.n_tokens} tokens"
+        )
     layout = state.layout
     v = tuple(
         arr[:, start * layer.v_unit : end * layer.v_unit] if layout.v_trans else arr[start:end]
@@ -183,6 +192,14 @@ def cut_pages(
     return pages
 
 
+def _describe(layer: LayerLayout) -> str:
+    v_embd = f" x{layer.v_embd}" if layer.v_embd else ""
+    return (
+        f"K {type_name(layer.k_type)}/{layer.k_row}B "
+        f"V {type_name(layer.v_type)}/{layer.v_unit}B{v_embd}"
+    )
+
+
 def _layout_difference(want: KVLayout, got: KVLayout) -> str | None:
     if want.v_trans != got.v_trans:
         return f"v_trans {int(got.v_trans)} where the context has {int(want.v_trans)}"
@@ -192,10 +209,7 @@ def _layout_difference(want: KVLayout, got: KVLayout) -> str | None:
         return f"{got.ext_bytes} cell-ext bytes where the context has {want.ext_bytes}"
     for il, (a, b) in enumerate(zip(want.layers, got.layers, strict=True)):
         if a != b:
-            return (
-                f"layer {il} is K {type_name(b.k_type)}/{b.k_row}B V {type_name(b.v_type)}/{b.v_unit}B "
-                f"where the context has K {type_name(a.k_type)}/{a.k_row}B V {type_name(a.v_type)}/{a.v_unit}B"
-            )
+            return f"layer {il} is {_describe(b)} where the context has {_describe(a)}"
     return None
 
 
@@ -222,7 +236,9 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
     n = 0
     for page in pages:
         if page.start != n:
-            raise StateFormatError(f"page starts at {page.start}, expected {n}: pages must be consecutive")
+            raise StateFormatError(
+                f"page starts at {page.start}, expected {n}: pages must be consecutive"
+            )
         check_layout(layout, page.layout)
         n += page.n_tokens
     if n == 0:
@@ -230,7 +246,9 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
     size = 12 + 4 * layout.n_stream + n * layout.meta_bytes_per_cell + 8
     for layer in layout.layers:
         size += 12 + n * layer.k_row
-        size += (12 + n * layer.v_unit * layer.v_embd) if layout.v_trans else (12 + n * layer.v_unit)
+        size += (
+            (12 + n * layer.v_unit * layer.v_embd) if layout.v_trans else (12 + n * layer.v_unit)
+        )
     out = bytearray(size)
     arr = np.frombuffer(out, dtype=np.uint8)
     struct.pack_into("<IiI", out, 0, STATE_MAGIC, seq_id, layout.n_stream)
@@ -248,7 +266,9 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
         for page in pages:
             meta[row : row + page.n_tokens, 8 : 8 + layout.ext_bytes] = page.ext
             row += page.n_tokens
-        meta[:, 8 + layout.ext_bytes :] = np.full(n, seq_id, dtype=np.int32).view(np.uint8).reshape(n, 4)
+        meta[:, 8 + layout.ext_bytes :] = (
+            np.full(n, seq_id, dtype=np.int32).view(np.uint8).reshape(n, 4)
+        )
         off += n * rec
         struct.pack_into("<II", out, off, int(layout.v_trans), layout.n_layer)
         off += 8

@@ -257,11 +257,6 @@ def test_one_foreign_page_among_good_ones_is_rejected() -> None:
         assemble([good[0], other[1], good[2]], layout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_layout_difference prints only types and v_unit, so layers differing in v_embd "
-    "(transposed V of another n_embd_v_gqa) get a message with two identical descriptions",
-)
 def test_layout_mismatch_message_names_a_v_embd_difference() -> None:
     _, pages = pages_for(Spec(n_layer=1, n_embd_v=48, v_trans=True))
     live = parse_state(
@@ -337,7 +332,7 @@ def test_flipped_page_byte(case: tuple[KVLayout, list[bytes], int], data: st.Dat
     xor = data.draw(st.integers(1, 255))
     field = field_at(offset, layout.n_layer)
     low_byte = offset == 6 or (field == "v_embd" and (offset - HEADER_SIZE) % LAYER_SIZE == 20)
-    # bit 0 of flags, or v_embd 0 -> 1 on a row layout: see the xfail tests below
+    # bit 0 of flags, or v_embd 0 -> 1 on a row layout: see the tests below
     assume(not (low_byte and xor == 1 and (field == "flags" or not layout.v_trans)))
     bad = bytearray(raw)
     bad[offset] ^= xor
@@ -366,12 +361,6 @@ def test_flipped_page_byte(case: tuple[KVLayout, list[bytes], int], data: st.Dat
         raise AssertionError(field)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="page_from_bytes does not check that v_embd agrees with the v_trans flag, so a page "
-    "with flags bit 0 flipped (or v_embd 0 -> 1) is accepted with V views that do not cover "
-    "its V bytes",
-)
 @pytest.mark.parametrize("v_trans", [False, True], ids=["rows", "transposed"])
 def test_page_with_flipped_v_trans_flag_is_rejected(v_trans: bool) -> None:
     _, pages = pages_for(Spec(n_layer=2, v_trans=v_trans))
@@ -384,7 +373,6 @@ def test_page_with_flipped_v_trans_flag_is_rejected(v_trans: bool) -> None:
         assert v_bytes == page.n_tokens * sum(la.v_bytes_per_cell() for la in page.layout.layers)
 
 
-@pytest.mark.xfail(strict=True, reason="page_from_bytes accepts v_embd=1 on a non-transposed page")
 def test_page_with_v_embd_on_row_layout_is_rejected() -> None:
     _, pages = pages_for(Spec(n_layer=1, v_trans=False))
     bad = bytearray(pages[0].to_bytes())

@@ -1,0 +1,35 @@
+"""Plain ``llama_cpp.Llama`` with a cold prefill per request: the baseline ``run`` compares to."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import llama_cpp
+
+from ..events import CacheEvent
+from .timing import on_first_token
+
+
+class ColdLlama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` that forgets its KV state before every prompt and times the first token.
+
+    ``last_cache_event`` is filled the same way ``SkippyLlama`` fills it (tier ``cold``), so both
+    can be reported side by side.
+    """
+
+    last_cache_event: CacheEvent | None = None
+
+    def generate(  # type: ignore[override]
+        self, tokens: Sequence[int], *args: Any, **kwargs: Any
+    ) -> Generator[int, Sequence[int] | None, None]:
+        self.reset()  # type: ignore[no-untyped-call]
+        event = CacheEvent(prompt_tokens=len(tokens), suffix_tokens=len(tokens))
+        started = time.perf_counter()
+
+        def first() -> None:
+            event.ttft_ms = event.prefill_ms = (time.perf_counter() - started) * 1e3
+            self.last_cache_event = event
+
+        yield from on_first_token(super().generate(tokens, *args, **kwargs), first)

@@ -1,0 +1,56 @@
+"""Helpers for real-model integration tests."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from skippy_llama.config import Settings
+
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
+    "as his father had done before him. There were one hundred and twelve of them, worn smooth "
+    "in the middle by generations of boots. At the top he trimmed the wick, polished the great "
+    "lens until it shone, and wound the clockwork that turned the light. Ships far out at sea "
+    "watched for its pulse: two long flashes and one short, the signature of this rock and no "
+    "other. In storms the tower shook and the windows wept with spray, but the light never "
+    "failed while he kept it. Between the rounds he wrote in the logbook: the wind, the swell, "
+    "the vessels that passed, and once, in a careful hand, the night a whale surfaced so close "
+    "to the rocks that he could hear it breathe. "
+)
+
+
+def last_logits(llm: llama_cpp.Llama) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Logits of the last decoded token (copied)."""
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+def l1_settings(**extra: Any) -> Settings:
+    return Settings(**extra)
+
+
+class CountingLlama(llama_cpp.Llama):
+    """Plain Llama that records how many prompt tokens each ``generate`` prefilled."""
+
+    prefilled: list[int]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefilled = []
+        self._first_eval = False
+
+    def generate(  # type: ignore[override]
+        self, tokens: Sequence[int], *args: Any, **kwargs: Any
+    ) -> Generator[int, Any, None]:
+        self._first_eval = True
+        return (yield from super().generate(tokens, *args, **kwargs))
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        if self._first_eval:
+            self.prefilled.append(len(tokens))
+            self._first_eval = False
+        super().eval(tokens)

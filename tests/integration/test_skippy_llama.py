@@ -1,0 +1,130 @@
+"""SkippyLlama as a drop-in Llama: same greedy outputs, far fewer prefilled tokens (SmolLM2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from modelhelpers import TEXT, CountingLlama
+
+from skippy_llama.config import Settings
+from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.workload import SYSTEM_PROMPT
+
+pytestmark = pytest.mark.model
+
+USERS = {
+    "a": ["What is a lighthouse for?", "Who keeps it?", "Is it lonely?", "Thanks, bye."],
+    "b": ["Tell me about tides.", "Why two a day?", "What is a spring tide?", "Thanks!"],
+    "c": ["How is bread made?", "What does yeast do?", "And sourdough?", "Great."],
+    "d": ["Why is the sky blue?", "And sunsets red?", "What about Mars?", "Cool."],
+}
+
+
+def _interleaved(llm: object) -> list[str]:
+    histories: dict[str, list[dict[str, str]]] = {k: [] for k in USERS}
+    outputs = []
+    for turn in range(4):
+        for name, turns in USERS.items():
+            history = histories[name]
+            history.append({"role": "user", "content": turns[turn]})
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, *history]
+            out = llm.create_chat_completion(  # type: ignore[attr-defined]
+                messages=messages, max_tokens=24, temperature=0.0
+            )
+            text = out["choices"][0]["message"]["content"]
+            history.append({"role": "assistant", "content": text})
+            outputs.append(text)
+    return outputs
+
+
+def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
+    smollm2_path: Path,
+) -> None:
+    plain = CountingLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        expected = _interleaved(plain)
+        plain_prefill = sum(plain.prefilled)
+    finally:
+        plain.close()
+
+    skippy = SkippyLlama(str(smollm2_path), n_ctx=2048, verbose=False, cache_settings=Settings())
+    events = []
+    original = skippy.create_chat_completion
+
+    def recording(**kwargs: object) -> object:
+        out = original(**kwargs)  # type: ignore[arg-type]
+        events.append(skippy.last_cache_event)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == events[-1].cached_tokens  # type: ignore[index]
+        return out
+
+    skippy.create_chat_completion = recording  # type: ignore[method-assign]
+    try:
+        got = _interleaved(skippy)
+    finally:
+        skippy.close()
+    assert got == expected
+    skippy_prefill = sum(e.suffix_tokens for e in events)
+    assert len(plain.prefilled) == len(events) == 16
+    assert skippy_prefill <= 0.4 * plain_prefill, (skippy_prefill, plain_prefill)
+    # every later turn of a conversation is served from a resident prefix
+    assert all(e.tier == "l1" and e.cached_tokens > 0 for e in events[4:])
+
+
+def test_completion_reports_cached_tokens_and_event(smollm2_path: Path) -> None:
+    llm = SkippyLlama(str(smollm2_path), n_ctx=2048, verbose=False, cache_settings=Settings())
+    try:
+        first = llm.create_completion(TEXT + "Question one:", max_tokens=4, temperature=0.0)
+        cold = llm.last_cache_event
+        llm.create_completion("Something else entirely.", max_tokens=4, temperature=0.0)
+        second = llm.create_completion(TEXT + "Question two:", max_tokens=4, temperature=0.0)
+        warm = llm.last_cache_event
+    finally:
+        llm.close()
+    assert cold is not None and cold.tier == "cold" and cold.cached_tokens == 0
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm is not None and warm.tier == "l1"
+    assert warm.cached_tokens > 150  # the shared text, found in a resident sequence
+    assert warm.suffix_tokens == warm.prompt_tokens - warm.cached_tokens
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == warm.cached_tokens
+    assert warm.ttft_ms > 0 and warm.lookup_ms >= 0
+
+
+def test_generate_and_eval_use_the_cache(smollm2_path: Path) -> None:
+    llm = SkippyLlama(str(smollm2_path), n_ctx=2048, verbose=False, cache_settings=Settings())
+    plain = CountingLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        tokens = llm.tokenize(TEXT.encode())
+        llm.eval(tokens)  # a standalone prefill is parked too
+        other = llm.tokenize(b"Unrelated words here.")
+        next(llm.generate(other, temp=0.0))
+        gen = llm.generate(tokens + other[1:], temp=0.0)
+        got = [next(gen) for _ in range(5)]
+        gen.close()
+        event = llm.last_cache_event
+        plain_gen = plain.generate(tokens + other[1:], temp=0.0)
+        want = [next(plain_gen) for _ in range(5)]
+        plain_gen.close()
+        llm.reset()
+        llm.eval(tokens[:-3])
+        eval_event = llm.last_cache_event
+    finally:
+        llm.close()
+        plain.close()
+    assert got == want
+    assert event is not None and event.tier == "l1" and event.cached_tokens >= len(tokens) - 1
+    assert eval_event is not None and eval_event.cached_tokens == len(tokens) - 4
+
+
+def test_disabled_l1_is_plain_llama(smollm2_path: Path) -> None:
+    settings = Settings(l1={"enabled": False})
+    llm = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=settings)
+    try:
+        llm.create_completion(TEXT, max_tokens=2, temperature=0.0)
+        llm.create_completion("Other.", max_tokens=2, temperature=0.0)
+        llm.create_completion(TEXT, max_tokens=2, temperature=0.0)
+        event = llm.last_cache_event
+        assert llm.n_ctx() == 1024
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "cold"
