@@ -20,11 +20,15 @@ import llama_cpp
 import llama_cpp._internals as internals
 import numpy as np
 
+from ..admission import AdmissionPolicy
 from ..cache import LookupResult, PrefixCache
 from ..config import Settings, load_settings
+from ..errors import SkippyError, StateFormatError
 from ..events import CacheEvent
 from ..identity import CacheIdentity, ModelIdentity, file_digest, paging_refusal
-from ..state import KVLayout, parse_state
+from ..state import KVLayout, assemble, page_from_bytes, parse_state
+from ..tiers.disk import DiskTier
+from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
 from . import native
 from .timing import on_first_token
@@ -78,11 +82,29 @@ class SkippyLlama(llama_cpp.Llama):
             log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
         self.kv_layout = self._probe_layout() if self.cache_disabled_reason is None else None
         self.cache_identity = self._identity()
+        disk, ram, admission = self._open_tiers()
         self.prefix_cache = PrefixCache(
-            root=self.cache_identity.root,
+            identity=self.cache_identity,
             page_tokens=settings.page_tokens,
             resident=resident,
+            ram=ram,
+            disk=disk,
+            admission=admission,
         )
+
+    def _open_tiers(self) -> tuple[DiskTier | None, RamTier | None, AdmissionPolicy | None]:
+        """Open L3 (and L2 on top of it) when configured; fail open to L1 only."""
+        settings = self.cache_settings
+        if settings.l3.mode == "off" or self.kv_layout is None:
+            return None, None, None
+        admission = AdmissionPolicy()
+        disk = DiskTier(settings.l3, admission=admission)
+        if not disk.serving:
+            log.warning(
+                "skippy-llama: L3 is %s (%s); continuing without it", disk.state, disk.reason
+            )
+        ram = RamTier(settings.l2.budget) if settings.l2.budget else None
+        return disk, ram, admission
 
     # -- context and identity -------------------------------------------------------------
 
@@ -179,11 +201,47 @@ class SkippyLlama(llama_cpp.Llama):
         found = self.prefix_cache.lookup(tokens, limit, live)
         event.lookup_ms = found.lookup_s * 1e3
         started = time.perf_counter()
+        if found.payloads and not self._load_pages(found, tokens, event):
+            # fail open: the working sequence was cleared, so take what L1 alone offers
+            found = self.prefix_cache.lookup_resident(tokens, limit)
         if found.tier == "l1" and found.seq_id is not None:
             self._copy_resident(found, tokens)
         event.restore_ms = (time.perf_counter() - started) * 1e3
         event.tier = found.tier
         event.cached_tokens = found.n_tokens
+
+    def _load_pages(
+        self, found: LookupResult, tokens: np.ndarray[Any, Any], event: CacheEvent
+    ) -> bool:
+        """Assemble L2/L3 pages into a blob and restore it into the working sequence."""
+        assert self.kv_layout is not None
+        started = time.perf_counter()
+        try:
+            pages = [page_from_bytes(p) for p in found.payloads]
+            blob = assemble(pages, self.kv_layout, seq_id=WORKING_SEQ)
+            if sum(p.n_tokens for p in pages) != found.n_tokens:
+                raise StateFormatError("restored pages do not cover the planned prefix")
+            ok = native.set_seq_state(self.ctx, blob, WORKING_SEQ)
+        except SkippyError as exc:
+            ok = False
+            event.fallbacks.append(f"{found.tier}: {exc}")
+            self.prefix_cache.fallback(type(exc).__name__)
+        if not ok:
+            native.seq_rm(self.ctx, WORKING_SEQ)
+            self.n_tokens = 0
+            if not event.fallbacks:
+                event.fallbacks.append(f"{found.tier}: llama_state_seq_set_data refused the blob")
+                self.prefix_cache.fallback("set_data_refused")
+            return False
+        self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
+        self.n_tokens = found.n_tokens
+        self._requires_eval = True
+        event.restored_bytes = len(blob)
+        if self.prefix_cache.admission is not None:
+            self.prefix_cache.admission.costs.observe_restore(
+                len(blob), time.perf_counter() - started
+            )
+        return True
 
     def _copy_resident(self, found: LookupResult, tokens: np.ndarray[Any, Any]) -> None:
         assert found.seq_id is not None
@@ -234,6 +292,44 @@ class SkippyLlama(llama_cpp.Llama):
             event.repaired_tokens = self._repair(len(prompt))
             self.last_cache_event = event
             self._park(self.n_tokens)
+            self._record(len(prompt), event)
+
+    def _record(self, n_prompt: int, event: CacheEvent) -> None:
+        """Queue the prompt prefix and the whole evaluated sequence for L3 (off the request path).
+
+        Two prefixes are recorded: ``[0, n_prompt - 1)``, which is what the same prompt can reuse
+        (its last token is always decoded), and everything evaluated, which a next chat turn
+        extends. Pages they share are stored once.
+        """
+        cache = self.prefix_cache
+        if cache.disk is None or self.kv_layout is None or self.n_tokens < 2:
+            return
+        admission = cache.admission
+        if (
+            admission is not None
+            and event.suffix_tokens >= cache.page_tokens
+            and event.prefill_ms > 0
+        ):
+            admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
+        tokens = self.input_ids[: self.n_tokens].astype(np.int32)
+        points = [n_prompt - 1, self.n_tokens]
+        if not cache.wants_record(tokens, points):
+            return
+        try:
+            state = parse_state(native.get_seq_state(self.ctx, WORKING_SEQ))
+            if state.layout.digest() != self.kv_layout.digest():
+                raise StateFormatError("captured state does not match the probed KV layout")
+            cache.record(state, tokens, points)
+        except SkippyError as exc:  # fail open: the request already succeeded
+            cache.fallback(f"record: {type(exc).__name__}")
+            log.warning("skippy-llama: could not record the prefix for L3: %s", exc)
+
+    def close(self) -> None:
+        """Free the model and context; pending L3 writes are flushed first (bounded wait)."""
+        cache = getattr(self, "prefix_cache", None)
+        if cache is not None and cache.disk is not None:
+            cache.disk.close()
+        super().close()
 
     def _repair(self, n_prompt: int) -> int:
         """Re-decode generated tokens as one batch so their cells equal a cold prefill's.
@@ -272,6 +368,7 @@ class SkippyLlama(llama_cpp.Llama):
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
         self.last_cache_event = event
         self._park(len(whole))
+        self._record(len(whole), event)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""
