@@ -19,7 +19,12 @@ from ..errors import ConfigError, SkippyError
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
 from ..tiers.records import DiskStatus
-from .options import add_settings_arguments, settings_from_args
+from .options import (
+    add_kv_dtype_arguments,
+    add_settings_arguments,
+    kv_dtype_from_args,
+    settings_from_args,
+)
 
 
 def register(sub: Any) -> None:
@@ -37,6 +42,7 @@ def register(sub: Any) -> None:
     status = actions.add_parser("status", help="state, usage, activity and inventory")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     add_settings_arguments(status)
+    add_kv_dtype_arguments(status)
     status.set_defaults(handler=cmd_status)
 
     prune = actions.add_parser(
@@ -131,6 +137,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         tier.close()
     report = status_report(loaded, status, tier)
+    resolution, package = kv_dtype_from_args(args)
+    report["kv_dtype"] = resolution.to_dict()
+    if package is not None:
+        report["kv_dtype"]["package"] = package.summary()
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False))
     else:
@@ -206,6 +216,10 @@ def format_status(report: dict[str, Any]) -> str:
                 )
         else:
             lines.append("inventory: empty")
+    kv = report.get("kv_dtype")
+    if kv is not None:
+        lines.append(f"live K/V dtype: K={kv['type_k']} V={kv['type_v']} by {kv['rule']}")
+        lines.extend(f"  {rule} skipped: {why}" for rule, why in kv.get("skipped", {}).items())
     lines.append(
         "configured:" + (f" (file {report['config_file']})" if report["config_file"] else "")
     )

@@ -11,6 +11,8 @@ import argparse
 from typing import Any
 
 from ..config import LoadedSettings, load_settings
+from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
+from ..packages.loader import LoadedPackage, load_package
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,3 +96,43 @@ def settings_from_args(args: argparse.Namespace) -> LoadedSettings:
         ConfigError: a value is invalid (the message names the field) or ``--config`` is missing.
     """
     return load_settings(overrides_from_args(args), config_file=getattr(args, "config", None))
+
+
+def add_kv_dtype_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--package``, ``--type-k`` and ``--type-v`` (live K/V dtype choice, DESIGN §6)."""
+    group = parser.add_argument_group("model package and live K/V dtype")
+    group.add_argument(
+        "--package",
+        metavar="DIR",
+        default=None,
+        help="model package folder (skippy-llama package create); its publisher metadata "
+        "decides the K/V dtype unless --type-k/--type-v are given",
+    )
+    group.add_argument(
+        "--type-k", metavar="TYPE", default=None, help="K cache type, e.g. f16, q8_0"
+    )
+    group.add_argument(
+        "--type-v", metavar="TYPE", default=None, help="V cache type, e.g. f16, q8_0"
+    )
+
+
+def kv_dtype_from_args(args: argparse.Namespace) -> tuple[KVDtypeResolution, LoadedPackage | None]:
+    """Resolve the live K/V dtype from ``--package``/``--type-k``/``--type-v``.
+
+    Raises:
+        PackageError: the package is missing or fails verification.
+        ConfigError: a type name is not a llama.cpp cache type.
+    """
+    user_k, user_v = getattr(args, "type_k", None), getattr(args, "type_v", None)
+    if getattr(args, "package", None):
+        package = load_package(args.package)
+        return package.resolve(user_k, user_v), package
+    return (
+        resolve_kv_dtype(
+            user_k=user_k,
+            user_v=user_v,
+            publisher=None,
+            publisher_unavailable="no --package given",
+        ),
+        None,
+    )

@@ -9,9 +9,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..models import resolve_model_path
 from ..workload import Request, builtin_workload, load_jsonl
-from .options import add_settings_arguments, settings_from_args
+from .options import (
+    add_kv_dtype_arguments,
+    add_settings_arguments,
+    kv_dtype_from_args,
+    settings_from_args,
+)
 from .progress import Progress
 
 
@@ -29,6 +35,7 @@ class RequestResult:
 @dataclass
 class RunReport:
     model: str
+    kv_dtype: dict[str, Any]
     requests: list[RequestResult] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -80,6 +87,7 @@ def register(sub: Any) -> None:
         "--json", action="store_true", help="print a JSON report instead of a table"
     )
     add_settings_arguments(parser)
+    add_kv_dtype_arguments(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -110,7 +118,10 @@ def _call(llm: Any, request: Request, histories: dict[str, list[dict[str, str]]]
 def execute(args: argparse.Namespace) -> RunReport:
     """Load the models and run every request through SkippyLlama and the cold baseline."""
     loaded = settings_from_args(args)
-    model_path = resolve_model_path(args.model)
+    resolution, package = kv_dtype_from_args(args)
+    if package is not None and args.model:
+        raise ConfigError("give --model or --package, not both")
+    model_path = package.gguf_path if package is not None else resolve_model_path(args.model)
     requests = (
         load_jsonl(args.prompts, args.max_tokens)
         if args.prompts
@@ -120,11 +131,19 @@ def execute(args: argparse.Namespace) -> RunReport:
     from ..runtime.llama import SkippyLlama
 
     common: dict[str, Any] = {"n_ctx": args.n_ctx, "verbose": False, "seed": 1}
+    common.update(resolution.llama_kwargs())
+    if resolution.type_v not in ("F16", "F32", "BF16"):
+        common["flash_attn"] = True  # llama.cpp needs flash attention for a quantized V cache
     if args.threads:
         common.update(n_threads=args.threads, n_threads_batch=args.threads)
     skippy = SkippyLlama(str(model_path), cache_settings=loaded.settings, **common)
+    skippy.kv_dtype, skippy.model_package = resolution, package
     cold = None if args.no_baseline else ColdLlama(str(model_path), **common)
-    report = RunReport(model=str(model_path), settings=loaded.settings.model_dump(mode="json"))
+    report = RunReport(
+        model=str(model_path),
+        kv_dtype=resolution.to_dict(),
+        settings=loaded.settings.model_dump(mode="json"),
+    )
     hist_skippy: dict[str, list[dict[str, str]]] = {}
     hist_cold: dict[str, list[dict[str, str]]] = {}
     progress = Progress(len(requests), "run", enabled=not args.json or sys.stderr.isatty())
@@ -157,7 +176,12 @@ def execute(args: argparse.Namespace) -> RunReport:
 
 
 def render(report: RunReport, baseline: bool) -> str:
-    lines = [f"model: {report.model}", ""]
+    kv = report.kv_dtype
+    lines = [
+        f"model: {report.model}",
+        f"live K/V dtype: K={kv['type_k']} V={kv['type_v']} by {kv['rule']}",
+        "",
+    ]
     header = f"{'#':>3}  {'request':<24} {'tier':<5} {'cached/prompt':>14} {'TTFT ms':>9}"
     if baseline:
         header += f" {'cold ms':>9} {'speed-up':>8} {'same':>5}"
@@ -189,7 +213,8 @@ def render(report: RunReport, baseline: bool) -> str:
 def handle(args: argparse.Namespace) -> int:
     report = execute(args)
     if args.json:
-        print(json.dumps({"model": report.model, "settings": report.settings,
+        print(json.dumps({"model": report.model, "kv_dtype": report.kv_dtype,
+                          "settings": report.settings,
                           "requests": [asdict(r) for r in report.requests],
                           "totals": report.totals()}, indent=2))  # fmt: skip
     else:

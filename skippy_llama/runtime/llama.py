@@ -26,6 +26,8 @@ from ..config import Settings, load_settings
 from ..errors import SkippyError, StateFormatError
 from ..events import CacheEvent
 from ..identity import CacheIdentity, ModelIdentity, file_digest, paging_refusal
+from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
+from ..packages.loader import LoadedPackage, load_package
 from ..state import KVLayout, assemble, page_from_bytes, parse_state
 from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
@@ -61,6 +63,20 @@ class SkippyLlama(llama_cpp.Llama):
     ) -> None:
         self.cache_settings = cache_settings or load_settings().settings
         self.last_cache_event: CacheEvent | None = None
+        self.model_package: LoadedPackage | None = None
+        self.kv_dtype: KVDtypeResolution = resolve_kv_dtype(
+            user_k=kwargs.get("type_k"),
+            user_v=kwargs.get("type_v"),
+            publisher=None,
+            publisher_unavailable="the model was not loaded from a model package",
+        )
+        # names such as "q8_0" are accepted for type_k/type_v; llama.cpp wants ggml ids
+        for side, ggml_id in (
+            ("type_k", self.kv_dtype.ggml_type_k),
+            ("type_v", self.kv_dtype.ggml_type_v),
+        ):
+            if isinstance(kwargs.get(side), str):
+                kwargs[side] = ggml_id
         self._in_generate = False
         super().__init__(model_path, **kwargs)
         self.cache_disabled_reason: str | None = None
@@ -105,6 +121,33 @@ class SkippyLlama(llama_cpp.Llama):
             )
         ram = RamTier(settings.l2.budget) if settings.l2.budget else None
         return disk, ram, admission
+
+    @classmethod
+    def from_package(
+        cls,
+        path: str | Path,
+        *,
+        type_k: str | int | None = None,
+        type_v: str | int | None = None,
+        verify_hashes: bool = True,
+        **kwargs: Any,
+    ) -> SkippyLlama:
+        """Load the GGUF of a model package with the live K/V types its metadata resolves to.
+
+        The package is verified first (a tampered file raises :class:`PackageError`). ``type_k``
+        and ``type_v`` are explicit user overrides and win over the publisher metadata; a
+        quantized V cache turns flash attention on unless ``flash_attn`` is given, since llama.cpp
+        needs it. ``kv_dtype`` on the returned model says which rule chose the types.
+        """
+        package = load_package(path, verify_hashes=verify_hashes)
+        resolution = package.resolve(type_k, type_v)
+        if resolution.type_v not in ("F16", "F32", "BF16") and "flash_attn" not in kwargs:
+            kwargs["flash_attn"] = True
+        kwargs.update(resolution.llama_kwargs())
+        llm = cls(str(package.gguf_path), **kwargs)
+        llm.model_package = package
+        llm.kv_dtype = resolution
+        return llm
 
     # -- context and identity -------------------------------------------------------------
 
