@@ -149,12 +149,14 @@ def load_jsonl(path: Path, max_tokens: int = 24) -> list[Request]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            raise ConfigError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
-            raise ConfigError(f"{path}:{lineno}: expected an object with 'prompt' or 'messages'")
+            raise ConfigError(
+                f"{path} line {lineno}: expected an object with 'prompt' or 'messages'"
+            )
         tokens = obj.get("max_tokens", max_tokens)
         if not isinstance(tokens, int) or tokens < 1:
-            raise ConfigError(f"{path}:{lineno}: max_tokens must be a positive integer")
+            raise ConfigError(f"{path} line {lineno}: max_tokens must be a positive integer")
         label = str(obj.get("label", f"line {lineno}"))
         if isinstance(obj.get("prompt"), str):
             requests.append(Request(label=label, prompt=obj["prompt"], max_tokens=tokens))
@@ -167,7 +169,7 @@ def load_jsonl(path: Path, max_tokens: int = 24) -> list[Request]:
             requests.append(Request(label=label, messages=obj["messages"], max_tokens=tokens))
         else:
             raise ConfigError(
-                f"{path}:{lineno}: needs 'prompt' (a string) or 'messages' "
+                f"{path} line {lineno}: needs 'prompt' (a string) or 'messages' "
                 "(a list of {'role': ..., 'content': ...})"
             )
     if not requests:
