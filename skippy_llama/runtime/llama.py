@@ -78,6 +78,7 @@ class SkippyLlama(llama_cpp.Llama):
             if isinstance(kwargs.get(side), str):
                 kwargs[side] = ggml_id
         self._in_generate = False
+        self._copy_pending = False
         super().__init__(model_path, **kwargs)
         self.cache_disabled_reason: str | None = None
         if self.context_params.embeddings:
@@ -253,6 +254,26 @@ class SkippyLlama(llama_cpp.Llama):
         event.tier = found.tier
         event.cached_tokens = found.n_tokens
 
+    def _decode(self, tokens: Sequence[int]) -> None:
+        """``Llama.eval`` without the cache: every decode also applies queued stream copies."""
+        super().eval(tokens)
+        self._copy_pending = False
+
+    def _apply_pending_copies(self) -> None:
+        """Make llama.cpp carry out queued stream copies before stream 0 is overwritten.
+
+        A cross-stream ``seq_cp`` only copies buffers at the next decode; writing stream 0 with
+        ``set_data`` before that would let a parked prefix pick up the restored bytes. A one-token
+        decode (dropped again right away) is the public way to run the copy.
+        """
+        if not self._copy_pending:
+            return
+        native.seq_rm(self.ctx, WORKING_SEQ)
+        self.n_tokens = 0
+        self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
+        native.seq_rm(self.ctx, WORKING_SEQ)
+        self.n_tokens = 0
+
     def _load_pages(
         self, found: LookupResult, tokens: np.ndarray[Any, Any], event: CacheEvent
     ) -> bool:
@@ -264,6 +285,7 @@ class SkippyLlama(llama_cpp.Llama):
             blob = assemble(pages, self.kv_layout, seq_id=WORKING_SEQ)
             if sum(p.n_tokens for p in pages) != found.n_tokens:
                 raise StateFormatError("restored pages do not cover the planned prefix")
+            self._apply_pending_copies()
             ok = native.set_seq_state(self.ctx, blob, WORKING_SEQ)
         except SkippyError as exc:
             ok = False
@@ -289,6 +311,7 @@ class SkippyLlama(llama_cpp.Llama):
     def _copy_resident(self, found: LookupResult, tokens: np.ndarray[Any, Any]) -> None:
         assert found.seq_id is not None
         native.copy_stream(self.ctx, found.seq_id, WORKING_SEQ, keep=found.n_tokens)
+        self._copy_pending = True
         self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
         self.n_tokens = found.n_tokens
         self._requires_eval = True
@@ -307,6 +330,7 @@ class SkippyLlama(llama_cpp.Llama):
         for seq_id in plan.evict:
             native.seq_rm(self.ctx, seq_id)
         native.copy_stream(self.ctx, WORKING_SEQ, plan.seq_id, keep=plan.n_tokens)
+        self._copy_pending = True
         resident.commit_park(plan, self.prefix_cache.root, tokens)
         self.prefix_cache.counters.parked += 1
 
@@ -387,7 +411,7 @@ class SkippyLlama(llama_cpp.Llama):
         generated = self.input_ids[n_prompt : self.n_tokens].tolist()
         native.seq_rm(self.ctx, WORKING_SEQ, n_prompt, -1)
         self.n_tokens = n_prompt
-        super().eval(generated)
+        self._decode(generated)
         return n_generated
 
     def eval(self, tokens: Sequence[int]) -> None:
@@ -396,7 +420,7 @@ class SkippyLlama(llama_cpp.Llama):
         Inside ``generate`` the prefix was already restored, so this is plain decoding.
         """
         if self._in_generate or not self.caching or len(tokens) < 2:
-            super().eval(tokens)
+            self._decode(tokens)
             return
         whole = np.concatenate(
             [self.input_ids[: self.n_tokens].astype(np.int32), np.asarray(tokens, np.int32)]
@@ -404,7 +428,7 @@ class SkippyLlama(llama_cpp.Llama):
         event = CacheEvent(prompt_tokens=len(whole))
         started = time.perf_counter()
         self._restore(whole, event)
-        super().eval(whole[self.n_tokens :].tolist())
+        self._decode(whole[self.n_tokens :].tolist())
         event.prefill_ms = (
             (time.perf_counter() - started) * 1e3 - event.lookup_ms - event.restore_ms
         )
