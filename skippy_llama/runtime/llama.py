@@ -364,9 +364,11 @@ class SkippyLlama(llama_cpp.Llama):
     def _record(self, n_prompt: int, event: CacheEvent) -> None:
         """Queue the prompt prefix and the whole evaluated sequence for L3 (off the request path).
 
-        Two prefixes are recorded: ``[0, n_prompt - 1)``, which is what the same prompt can reuse
-        (its last token is always decoded), and everything evaluated, which a next chat turn
-        extends. Pages they share are stored once.
+        Up to three prefixes are recorded, sharing their pages: ``[0, n_prompt - 1)``, which the
+        same prompt can reuse (its last token is always decoded); everything evaluated, which a
+        next chat turn extends; and ``[0, cached)`` when this prompt branched off a cached prefix
+        mid-page, so that a later sibling (the next question over the same document) finds the
+        exact branch point as a tail instead of stopping at the last whole page.
         """
         cache = self.prefix_cache
         if cache.disk is None or self.kv_layout is None or self.n_tokens < 2:
@@ -379,7 +381,7 @@ class SkippyLlama(llama_cpp.Llama):
         ):
             admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
         tokens = self.input_ids[: self.n_tokens].astype(np.int32)
-        points = [n_prompt - 1, self.n_tokens]
+        points = [event.cached_tokens, n_prompt - 1, self.n_tokens]
         if not cache.wants_record(tokens, points):
             return
         try:

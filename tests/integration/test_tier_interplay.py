@@ -40,3 +40,30 @@ def test_a_parked_prefix_survives_a_following_l3_restore(
     finally:
         llm.close()
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
+def test_siblings_find_the_exact_branch_point_in_l3(tmp_path: Path, smollm2_path: Path) -> None:
+    """Questions over one document reuse all of it after a restart, not only whole pages."""
+    l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"}
+    questions = ["Who climbs the stairs?", "What does he polish?", "What did he hear?"]
+    first = SkippyLlama(
+        str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings(l3=l3)
+    )
+    try:
+        doc_tokens = len(first.tokenize((TEXT + "\nQuestion:").encode()))
+        for question in questions[:2]:
+            first.create_completion(f"{TEXT}\nQuestion: {question}", max_tokens=2, temperature=0.0)
+    finally:
+        first.close()
+    assert doc_tokens % 128 != 0  # the branch point falls inside a page
+
+    # a new instance with L1 off must take the shared document from L3, to the token
+    settings = Settings(l3=l3, l1={"enabled": False})
+    second = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=settings)
+    try:
+        second.create_completion(f"{TEXT}\nQuestion: {questions[2]}", max_tokens=2, temperature=0.0)
+        event = second.last_cache_event
+    finally:
+        second.close()
+    assert event is not None and event.tier == "l3"
+    assert event.cached_tokens >= doc_tokens - 1  # a token may merge across the boundary
