@@ -1,9 +1,9 @@
 """``SkippyLlama``: a drop-in ``llama_cpp.Llama`` whose prompts reuse cached KV prefixes.
 
-The context is re-created with spare sequence ids in one unified KV cache: sequence 0 is the
-working sequence ``llama_cpp.Llama`` always uses, and sequences 1..N hold resident prefixes (L1).
-Before a prompt is prefilled, the longest cached prefix is put into sequence 0 and only the
-suffix is decoded; after a request, the evaluated sequence is parked for later prompts.
+The context is re-created with one KV stream per sequence: sequence 0 is the working sequence
+``llama_cpp.Llama`` always uses, and sequences 1..N hold resident prefixes (L1). Before a prompt
+is prefilled, the longest cached prefix (L1, else L2/L3 pages) is put into sequence 0 and only
+the suffix is decoded; after a request, the evaluated sequence is parked and recorded.
 """
 
 from __future__ import annotations
@@ -114,6 +114,12 @@ class SkippyLlama(llama_cpp.Llama):
         settings = self.cache_settings
         if settings.l3.mode == "off" or self.kv_layout is None:
             return None, None, None
+        if self.cache_identity.n_swa > 0:
+            # sliding-window models mask old cells per layer; pages of them are not certified
+            log.warning(
+                "skippy-llama: SWA model (n_swa=%d): L2/L3 off, L1 only", self.cache_identity.n_swa
+            )
+            return None, None, None
         admission = AdmissionPolicy()
         disk = DiskTier(settings.l3, admission=admission)
         if not disk.serving:
@@ -173,13 +179,17 @@ class SkippyLlama(llama_cpp.Llama):
             llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales)
         self.n_tokens = 0
 
+    def _scratch_decode(self) -> None:
+        """Decode one token into an emptied working sequence (the caller drops it again)."""
+        native.seq_rm(self.ctx, WORKING_SEQ)
+        self.n_tokens = 0
+        self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
+
     def _probe_layout(self) -> KVLayout | None:
         """Decode one token into the working sequence to read the live KV layout, then drop it."""
-        probe = [self.token_bos() if self.token_bos() >= 0 else 0]
         try:
-            super().eval(probe)
-            blob = native.get_seq_state(self.ctx, WORKING_SEQ)
-            return parse_state(blob).layout
+            self._scratch_decode()
+            return parse_state(native.get_seq_state(self.ctx, WORKING_SEQ)).layout
         except Exception as exc:  # fail-open: without a layout only L1 is used
             log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
             return None
@@ -268,9 +278,7 @@ class SkippyLlama(llama_cpp.Llama):
         """
         if not self._copy_pending:
             return
-        native.seq_rm(self.ctx, WORKING_SEQ)
-        self.n_tokens = 0
-        self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
+        self._scratch_decode()
         native.seq_rm(self.ctx, WORKING_SEQ)
         self.n_tokens = 0
 
