@@ -40,6 +40,7 @@ class LookupResult:
     seq_id: int | None = None
     payloads: tuple[bytes, ...] = ()
     lookup_s: float = 0.0
+    fallbacks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -103,16 +104,23 @@ class PrefixCache:
             hit = self.resident.lookup(self.root, tokens, limit)
             if hit is not None and hit.n_tokens > best.n_tokens:
                 best = LookupResult("l1", hit.n_tokens, seq_id=hit.seq_id)
+        notes: tuple[str, ...] = ()
         if self.disk is not None and self.disk.serving and limit - best.n_tokens >= 1:
             deep = self._deep_lookup(tokens, limit, best.n_tokens)
-            if deep is not None:
+            if deep is not None and deep.n_tokens > best.n_tokens:
                 best = deep
+            notes = deep.fallbacks if deep is not None else ()
         if best.n_tokens > 0:
             self.counters.hits[best.tier] += 1
         else:
             self.counters.misses += 1
         return LookupResult(
-            best.tier, best.n_tokens, best.seq_id, best.payloads, time.perf_counter() - started
+            best.tier,
+            best.n_tokens,
+            best.seq_id,
+            best.payloads,
+            time.perf_counter() - started,
+            notes,
         )
 
     def lookup_resident(self, tokens: Tokens, limit: int) -> LookupResult:
@@ -165,10 +173,15 @@ class PrefixCache:
         if from_ram < len(chain.keys):
             payloads.extend(self.disk.read(chain.keys[from_ram:]))
         n_tokens = sum(chain.lengths[: len(payloads)])
+        notes: tuple[str, ...] = ()
         if len(payloads) < len(chain.keys):
             self.fallback("l3_short_read")
+            notes = (
+                f"l3: served {n_tokens} of {chain.n_tokens} tokens; a page was missing or "
+                "failed verification",
+            )
         if n_tokens <= floor:
-            return None
+            return LookupResult("cold", 0, fallbacks=notes) if notes else None
         if self.ram is not None:
             for key, page in zip(
                 chain.keys[from_ram : len(payloads)], payloads[from_ram:], strict=True
@@ -177,7 +190,7 @@ class PrefixCache:
                 if digest is not None:
                     self.ram.offer(key, page, digest, prefix_tokens=n_tokens)
         tier: Tier = "l2" if from_ram == len(payloads) else "l3"
-        return LookupResult(tier, n_tokens, payloads=tuple(payloads))
+        return LookupResult(tier, n_tokens, payloads=tuple(payloads), fallbacks=notes)
 
     def fallback(self, reason: str) -> None:
         """Count a tier fault that was turned into a shallower hit or a cold prefill."""

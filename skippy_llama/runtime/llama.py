@@ -254,6 +254,7 @@ class SkippyLlama(llama_cpp.Llama):
         live = common_prefix(self.input_ids[: self.n_tokens].astype(np.int32), tokens[:limit])
         found = self.prefix_cache.lookup(tokens, limit, live)
         event.lookup_ms = found.lookup_s * 1e3
+        event.fallbacks.extend(found.fallbacks)
         started = time.perf_counter()
         if found.payloads and not self._load_pages(found, tokens, event):
             # fail open: the working sequence was cleared, so take what L1 alone offers

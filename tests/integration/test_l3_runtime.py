@@ -490,12 +490,6 @@ def test_truncated_and_deleted_page_files_fail_open(
     assert fallbacks.get("l3_short_read", 0) >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a page L3 fails to serve (missing/corrupt) shortens the hit but the request's "
-    "CacheEvent.fallbacks stays empty; only PrefixCache.counters.fallbacks['l3_short_read'] and "
-    "the disk activity record it (cache.py _deep_lookup)",
-)
 def test_short_l3_read_is_reported_in_the_event(
     smollm2_path: Path, golden: dict[str, Any], store: Path, reference: list[str]
 ) -> None:
