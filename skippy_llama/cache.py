@@ -94,8 +94,8 @@ class PrefixCache:
     def lookup(self, tokens: Tokens, limit: int, live: int) -> LookupResult:
         """Find the longest prefix of ``tokens[:limit]`` that beats the ``live`` sequence's match.
 
-        ``limit`` is at most ``len(tokens) - 1``: the final prompt token is always decoded so that
-        its logits are fresh. L2/L3 are consulted only when they could beat L1.
+        ``limit`` is below ``len(tokens)``: the runtime always decodes the last prompt tokens so
+        that their logits are fresh and computed as a cold prefill would. L2/L3 are consulted only when they could beat L1.
         """
         started = time.perf_counter()
         self.counters.lookups += 1

@@ -38,6 +38,10 @@ from .timing import on_first_token
 log = logging.getLogger("skippy_llama")
 
 WORKING_SEQ = 0
+#: Prompt tokens always decoded, never restored. llama.cpp decodes a lone token with other
+#: kernels than a batch, and its logits then differ from a cold prefill's (measured: up to 0.66
+#: on SmolLM2); two or more tokens decode bit-identically.
+DECODED_SUFFIX = 2
 
 
 class SkippyLlama(llama_cpp.Llama):
@@ -250,8 +254,10 @@ class SkippyLlama(llama_cpp.Llama):
 
     def _restore(self, tokens: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
         """Put the longest cached prefix of ``tokens`` into the working sequence."""
-        limit = len(tokens) - 1
+        limit = max(len(tokens) - DECODED_SUFFIX, 0)
         live = common_prefix(self.input_ids[: self.n_tokens].astype(np.int32), tokens[:limit])
+        # Llama.generate would reuse the live sequence up to the last token; cap it too
+        self.n_tokens = min(self.n_tokens, limit)
         found = self.prefix_cache.lookup(tokens, limit, live)
         event.lookup_ms = found.lookup_s * 1e3
         event.fallbacks.extend(found.fallbacks)
@@ -373,8 +379,8 @@ class SkippyLlama(llama_cpp.Llama):
     def _record(self, n_prompt: int, event: CacheEvent) -> None:
         """Queue the prompt prefix and the whole evaluated sequence for L3 (off the request path).
 
-        Up to three prefixes are recorded, sharing their pages: ``[0, n_prompt - 1)``, which the
-        same prompt can reuse (its last token is always decoded); everything evaluated, which a
+        Up to three prefixes are recorded, sharing their pages: ``[0, n_prompt - 2)``, which the
+        same prompt can reuse (see ``DECODED_SUFFIX``); everything evaluated, which a
         next chat turn extends; and ``[0, cached)`` when this prompt branched off a cached prefix
         mid-page, so that a later sibling (the next question over the same document) finds the
         exact branch point as a tail instead of stopping at the last whole page.
@@ -390,7 +396,7 @@ class SkippyLlama(llama_cpp.Llama):
         ):
             admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
         tokens = self.input_ids[: self.n_tokens].astype(np.int32)
-        points = [event.cached_tokens, n_prompt - 1, self.n_tokens]
+        points = [event.cached_tokens, n_prompt - DECODED_SUFFIX, self.n_tokens]
         if not cache.wants_record(tokens, points):
             return
         try:

@@ -112,8 +112,8 @@ def test_generate_and_eval_use_the_cache(smollm2_path: Path) -> None:
         llm.close()
         plain.close()
     assert got == want
-    assert event is not None and event.tier == "l1" and event.cached_tokens >= len(tokens) - 1
-    assert eval_event is not None and eval_event.cached_tokens == len(tokens) - 4
+    assert event is not None and event.tier == "l1" and event.cached_tokens >= len(tokens) - 2
+    assert eval_event is not None and eval_event.cached_tokens == len(tokens) - 5
 
 
 def test_disabled_l1_is_plain_llama(smollm2_path: Path) -> None:

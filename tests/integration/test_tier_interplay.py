@@ -67,3 +67,49 @@ def test_siblings_find_the_exact_branch_point_in_l3(tmp_path: Path, smollm2_path
         second.close()
     assert event is not None and event.tier == "l3"
     assert event.cached_tokens >= doc_tokens - 1  # a token may merge across the boundary
+
+
+def test_a_repeated_prompt_gets_cold_logits_from_every_tier(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
+    """An exact repeat still decodes two tokens: a lone token takes other kernels in llama.cpp."""
+    from llama_cpp import Llama
+    from modelhelpers import last_logits
+
+    l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"}
+    plain = Llama(str(smollm2_path), n_ctx=1024, verbose=False)
+    try:
+        tokens = plain.tokenize((TEXT * 3).encode())[:600]
+        plain.eval(tokens)
+        cold = last_logits(plain)
+    finally:
+        plain.close()
+
+    def first_token_logits(llm: SkippyLlama) -> tuple[str, int, object]:
+        gen = llm.generate(tokens, temp=0.0)
+        next(gen)
+        logits = last_logits(llm)
+        gen.close()
+        event = llm.last_cache_event
+        assert event is not None
+        return event.tier, event.cached_tokens, logits
+
+    first = SkippyLlama(
+        str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings(l3=l3)
+    )
+    try:
+        tier0, _, logits0 = first_token_logits(first)
+        tier1, cached1, logits1 = first_token_logits(first)  # the live sequence
+    finally:
+        first.close()
+    again = SkippyLlama(
+        str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings(l3=l3)
+    )
+    try:
+        tier2, cached2, logits2 = first_token_logits(again)  # from disk
+    finally:
+        again.close()
+    assert (tier0, tier1, tier2) == ("cold", "l1", "l3")
+    assert cached1 == cached2 == len(tokens) - 2
+    for logits in (logits0, logits1, logits2):
+        assert (logits == cold).all()
