@@ -100,10 +100,10 @@ class PrefixCache:
         started = time.perf_counter()
         self.counters.lookups += 1
         best = LookupResult("l1" if live > 0 else "cold", live)
-        if self.resident is not None and limit > live:
-            hit = self.resident.lookup(self.root, tokens, limit)
-            if hit is not None and hit.n_tokens > best.n_tokens:
-                best = LookupResult("l1", hit.n_tokens, seq_id=hit.seq_id)
+        if limit > live:
+            resident = self.lookup_resident(tokens, limit)
+            if resident.n_tokens > best.n_tokens:
+                best = resident
         notes: tuple[str, ...] = ()
         if self.disk is not None and self.disk.serving and limit - best.n_tokens >= 1:
             deep = self._deep_lookup(tokens, limit, best.n_tokens)
@@ -124,7 +124,7 @@ class PrefixCache:
         )
 
     def lookup_resident(self, tokens: Tokens, limit: int) -> LookupResult:
-        """L1 alone (after a deeper tier failed to restore): a resident prefix, or cold."""
+        """L1 alone: the longest resident prefix, or cold (also the fallback after L2/L3 fail)."""
         hit = self.resident.lookup(self.root, tokens, limit) if self.resident is not None else None
         if hit is None:
             return LookupResult("cold", 0)

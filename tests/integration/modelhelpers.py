@@ -8,8 +8,6 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from skippy_llama.config import Settings
-
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
     "as his father had done before him. There were one hundred and twelve of them, worn smooth "
@@ -27,10 +25,6 @@ def last_logits(llm: llama_cpp.Llama) -> np.ndarray[Any, np.dtype[np.float32]]:
     """Logits of the last decoded token (copied)."""
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
-
-
-def l1_settings(**extra: Any) -> Settings:
-    return Settings(**extra)
 
 
 class CountingLlama(llama_cpp.Llama):
