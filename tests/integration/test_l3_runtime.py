@@ -24,7 +24,7 @@ import pytest
 from modelhelpers import TEXT
 
 from skippy_llama.config import L3Settings, Settings
-from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.runtime.llama import DECODED_SUFFIX, SkippyLlama
 from skippy_llama.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.model
@@ -203,8 +203,8 @@ def store(golden: dict[str, Any], tmp_path: Path) -> Path:
 
 
 def prompt_manifest(golden: dict[str, Any], store: Path, index: int) -> list[list[Any]]:
-    """Pages of the manifest recorded for PROMPTS[index] (its prompt minus the last token)."""
-    return manifests(store)[golden["events"][index]["prompt_tokens"] - 1]
+    """Pages of the manifest recorded for PROMPTS[index] (the prefix a repeat can reuse)."""
+    return manifests(store)[golden["events"][index]["prompt_tokens"] - DECODED_SUFFIX]
 
 
 # ---------------------------------------------------------------------- 1. restart
@@ -352,7 +352,7 @@ def test_flipped_byte_is_quarantined_and_never_served(
     assert b["outputs"] == reference[:3]
     first = b["events"][0]
     assert first["tier"] == "l3" and first["cached_tokens"] == 128  # page 0 only: shorter
-    assert first["cached_tokens"] < golden["events"][0]["prompt_tokens"] - 1
+    assert first["cached_tokens"] < golden["events"][0]["prompt_tokens"] - DECODED_SUFFIX
     status = b["status"]
     assert status["process_activity"]["corrupt_entries"] == 1
     assert status["activity"]["corrupt_entries"] >= 1
@@ -365,7 +365,7 @@ def test_flipped_byte_is_quarantined_and_never_served(
     assert c["outputs"] == reference[:1]
     assert c["status"]["reconciliation"]["quarantined_total"] == 1
     assert c["events"][0]["tier"] == "l3"
-    assert c["events"][0]["cached_tokens"] == c["events"][0]["prompt_tokens"] - 1
+    assert c["events"][0]["cached_tokens"] == c["events"][0]["prompt_tokens"] - DECODED_SUFFIX
 
 
 # ---------------------------------------------------------------------- 6. identity
@@ -438,7 +438,7 @@ def test_l2_mirrors_pages_after_the_second_fill(
     # is the first one L2 serves.
     assert [e.tier for e in events] == ["l3", "l3", "l2"]
     assert len({e.cached_tokens for e in events}) == 1
-    assert events[0].cached_tokens == events[0].prompt_tokens - 1
+    assert events[0].cached_tokens == events[0].prompt_tokens - DECODED_SUFFIX
     assert len({e.restored_bytes for e in events}) == 1
     assert l3_hits == [1, 1, 0]  # L2 served the third request without an L3 read
     assert ram_status.promotions >= 3 and ram_status.hits >= 3
