@@ -185,6 +185,19 @@ class VerificationReport:
         }
 
 
+def _tampered(
+    root: Path,
+    manifest: Manifest,
+    problems: list[FileProblem],
+    hashes: bool,
+    geometry: Geometry | None = None,
+) -> VerificationReport:
+    reasons = tuple(p.describe() for p in problems)
+    return VerificationReport(
+        root, manifest, "tampered", reasons, tuple(problems), hashes, geometry
+    )
+
+
 def verify_package(path: str | Path, *, hashes: bool = True) -> VerificationReport:
     """Verify the package at ``path``.
 
@@ -196,14 +209,7 @@ def verify_package(path: str | Path, *, hashes: bool = True) -> VerificationRepo
     manifest = read_manifest(root)
     problems = check_files(root, manifest, hashes=hashes)
     if problems:
-        return VerificationReport(
-            root,
-            manifest,
-            "tampered",
-            tuple(p.describe() for p in problems),
-            tuple(problems),
-            hashes,
-        )
+        return _tampered(root, manifest, problems, hashes)
     geometry = cached_gguf_geometry(root / manifest.gguf[0])
     drift = _geometry_drift(manifest.geometry, geometry)
     if geometry.split_count != len(manifest.gguf):
@@ -213,15 +219,7 @@ def verify_package(path: str | Path, *, hashes: bool = True) -> VerificationRepo
         )
     if drift:
         problems = [FileProblem(MANIFEST_NAME, f"geometry summary: {d}") for d in drift]
-        return VerificationReport(
-            root,
-            manifest,
-            "tampered",
-            tuple(p.describe() for p in problems),
-            tuple(problems),
-            hashes,
-            geometry,
-        )
+        return _tampered(root, manifest, problems, hashes, geometry)
     check = check_publisher(
         geometry,
         root / METADATA_DIR,
