@@ -220,6 +220,14 @@ def check_layout(want: KVLayout, got: KVLayout, what: str = "page") -> None:
         raise LayoutMismatchError(f"{what} does not fit the live context: {diff}")
 
 
+def _write_rows(arr: U8, off: int, blocks: Sequence[U8]) -> int:
+    """Copy per-cell row blocks back to back into ``arr`` at ``off``; returns the new offset."""
+    for block in blocks:
+        arr[off : off + block.size].reshape(block.shape)[...] = block
+        off += block.size
+    return off
+
+
 def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytearray:
     """Build a ``llama_state_seq_set_data`` blob for the prefix covered by ``pages``.
 
@@ -274,11 +282,7 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
         off += 8
         for il, layer in enumerate(layout.layers):
             struct.pack_into("<iQ", out, off, layer.k_type, layer.k_row)
-            off += 12
-            for page in pages:
-                size_k = page.n_tokens * layer.k_row
-                arr[off : off + size_k].reshape(page.n_tokens, layer.k_row)[...] = page.k[il]
-                off += size_k
+            off = _write_rows(arr, off + 12, [page.k[il] for page in pages])
         for il, layer in enumerate(layout.layers):
             if layout.v_trans:
                 struct.pack_into("<iII", out, off, layer.v_type, layer.v_unit, layer.v_embd)
@@ -293,11 +297,7 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
                 off += layer.v_embd * width
             else:
                 struct.pack_into("<iQ", out, off, layer.v_type, layer.v_unit)
-                off += 12
-                for page in pages:
-                    size_v = page.n_tokens * layer.v_unit
-                    arr[off : off + size_v].reshape(page.n_tokens, layer.v_unit)[...] = page.v[il]
-                    off += size_v
+                off = _write_rows(arr, off + 12, [page.v[il] for page in pages])
     if off != size:
         raise StateFormatError(f"assembled {off} bytes, planned {size}")  # pragma: no cover
     return out
