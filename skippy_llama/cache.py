@@ -7,9 +7,9 @@ tier is fail-open: a fault there is counted and the lookup falls back to a shall
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,12 +17,12 @@ import numpy.typing as npt
 
 from .admission import AdmissionPolicy
 from .events import Tier
-from .identity import CacheIdentity, chain_key
-from .state import SequenceState, cut_pages, slice_state
+from .identity import CacheIdentity, chain_key, token_bytes
+from .state import SequenceState, slice_state
 from .tiers.disk import DiskTier
 from .tiers.ram import RamTier
 from .tiers.records import PageBlob, PrefixRecord
-from .tiers.resident import ResidentIndex
+from .tiers.resident import ResidentIndex, common_prefix
 
 Tokens = npt.NDArray[np.int32]
 
@@ -32,13 +32,15 @@ class LookupResult:
     """The best reusable prefix of a prompt.
 
     ``tier`` says where it lives; ``n_tokens`` how many prompt tokens it covers; ``seq_id`` the
-    resident sequence for L1; ``payloads`` the serialized pages (in order) for L2/L3.
+    resident sequence for L1; ``payloads`` the serialized pages (in order) for L2/L3, of which
+    the first ``uses[i]`` tokens each are restored (a page is used partly at a branch point).
     """
 
     tier: Tier
     n_tokens: int
     seq_id: int | None = None
     payloads: tuple[bytes, ...] = ()
+    uses: tuple[int, ...] = ()
     lookup_s: float = 0.0
     fallbacks: tuple[str, ...] = ()
 
@@ -58,13 +60,36 @@ class CacheCounters:
 
 
 @dataclass(frozen=True)
-class _Chain:
-    keys: list[bytes]
-    lengths: list[int]
+class _Step:
+    """One stored page on a prompt's path through the page tree, of which ``used`` tokens match."""
+
+    key: bytes
+    parent: bytes
+    n_tokens: int
+    used: int
+
+
+@dataclass(frozen=True)
+class _Path:
+    steps: list[_Step]
+    #: key of the node the path ends at (the parent of a page that would continue it)
+    end: bytes
 
     @property
     def n_tokens(self) -> int:
-        return sum(self.lengths)
+        return sum(step.used for step in self.steps)
+
+
+@dataclass(frozen=True)
+class RecordPlan:
+    """What recording a prefix adds to L3: the stored pages it reuses and the spans of new ones.
+
+    ``new`` holds ``(key, parent, start, end)`` of each page to cut from the captured state.
+    """
+
+    n_tokens: int
+    reused: list[_Step]
+    new: list[tuple[bytes, bytes, int, int]]
 
 
 class PrefixCache:
@@ -95,7 +120,8 @@ class PrefixCache:
         """Find the longest prefix of ``tokens[:limit]`` that beats the ``live`` sequence's match.
 
         ``limit`` is below ``len(tokens)``: the runtime always decodes the last prompt tokens so
-        that their logits are fresh and computed as a cold prefill would. L2/L3 are consulted only when they could beat L1.
+        that their logits are fresh and computed as a cold prefill would. L2/L3 are consulted
+        only when they could beat L1.
         """
         started = time.perf_counter()
         self.counters.lookups += 1
@@ -114,14 +140,7 @@ class PrefixCache:
             self.counters.hits[best.tier] += 1
         else:
             self.counters.misses += 1
-        return LookupResult(
-            best.tier,
-            best.n_tokens,
-            best.seq_id,
-            best.payloads,
-            time.perf_counter() - started,
-            notes,
-        )
+        return dataclasses.replace(best, lookup_s=time.perf_counter() - started, fallbacks=notes)
 
     def lookup_resident(self, tokens: Tokens, limit: int) -> LookupResult:
         """L1 alone: the longest resident prefix, or cold (also the fallback after L2/L3 fail)."""
@@ -130,67 +149,77 @@ class PrefixCache:
             return LookupResult("cold", 0)
         return LookupResult("l1", hit.n_tokens, seq_id=hit.seq_id)
 
-    def _walk(self, tokens: Tokens, limit: int) -> _Chain:
-        """Walk the page-key chain through L2/L3 metadata, then the exact tails (no payloads)."""
+    def _walk(self, tokens: Tokens, limit: int) -> _Path:
+        """The longest path of stored pages (L2/L3 metadata, no payloads) matching ``tokens``.
+
+        Each step first tries the page a record would have cut at this position (one key test);
+        otherwise it compares the prompt with the tokens of the pages stored after this node and
+        takes the longest match, possibly a prefix of a page: a prompt that branches off inside a
+        page still reuses the tokens before the branch, and continues below that branch point.
+        """
         assert self.disk is not None
         p = self.page_tokens
-        keys: list[bytes] = []
-        lengths: list[int] = []
-        parent, matched = self.root, 0
-        while matched + p <= limit:
-            key = chain_key(parent, tokens[matched : matched + p])
-            if not ((self.ram is not None and key in self.ram) or self.disk.contains(key)):
+        steps: list[_Step] = []
+        parent, pos = self.root, 0
+        while pos < limit:
+            n = p - pos % p
+            if pos + n <= limit:
+                key = chain_key(parent, tokens[pos : pos + n])
+                if (self.ram is not None and key in self.ram) or self.disk.contains(key):
+                    steps.append(_Step(key, parent, n, n))
+                    parent, pos = key, pos + n
+                    continue
+            best: _Step | None = None
+            rest = tokens[pos:limit]
+            for key, raw in self.disk.children(parent):
+                child = np.frombuffer(raw, dtype="<i4")
+                m = common_prefix(child, rest)
+                if m > 0 and (best is None or m > best.used):
+                    best = _Step(key, parent, len(child), m)
+            if best is None:
                 break
-            keys.append(key)
-            lengths.append(p)
-            parent, matched = key, matched + p
-        for n, tail_key in self.disk.tails(parent):
-            if (
-                n <= limit - matched
-                and chain_key(parent, tokens[matched : matched + n]) == tail_key
-            ):
-                keys.append(tail_key)
-                lengths.append(n)
-                break
-        return _Chain(keys, lengths)
+            steps.append(best)
+            end = best.key if best.used == best.n_tokens else chain_key(parent, rest[: best.used])
+            parent, pos = end, pos + best.used
+        return _Path(steps, parent)
 
     def _deep_lookup(self, tokens: Tokens, limit: int, floor: int) -> LookupResult | None:
         assert self.disk is not None
-        chain = self._walk(tokens, limit)
-        if chain.n_tokens <= floor:
-            if not chain.keys:
+        path = self._walk(tokens, limit)
+        if path.n_tokens <= floor:
+            if not path.steps:
                 self.disk.note_miss()
             return None
+        keys = [step.key for step in path.steps]
         payloads: list[bytes] = []
         from_ram = 0
         if self.ram is not None:
-            for key in chain.keys:
+            for key in keys:
                 page = self.ram.get(key, self.disk.digest(key))
                 if page is None:
                     break
                 payloads.append(page)
             from_ram = len(payloads)
-        if from_ram < len(chain.keys):
-            payloads.extend(self.disk.read(chain.keys[from_ram:]))
-        n_tokens = sum(chain.lengths[: len(payloads)])
+        if from_ram < len(keys):
+            payloads.extend(self.disk.read(keys[from_ram:]))
+        uses = tuple(step.used for step in path.steps[: len(payloads)])
+        n_tokens = sum(uses)
         notes: tuple[str, ...] = ()
-        if len(payloads) < len(chain.keys):
+        if len(payloads) < len(keys):
             self.fallback("l3_short_read")
             notes = (
-                f"l3: served {n_tokens} of {chain.n_tokens} tokens; a page was missing or "
+                f"l3: served {n_tokens} of {path.n_tokens} tokens; a page was missing or "
                 "failed verification",
             )
         if n_tokens <= floor:
             return LookupResult("cold", 0, fallbacks=notes) if notes else None
         if self.ram is not None:
-            for key, page in zip(
-                chain.keys[from_ram : len(payloads)], payloads[from_ram:], strict=True
-            ):
+            for key, page in zip(keys[from_ram : len(payloads)], payloads[from_ram:], strict=True):
                 digest = self.disk.digest(key)
                 if digest is not None:
                     self.ram.offer(key, page, digest, prefix_tokens=n_tokens)
         tier: Tier = "l2" if from_ram == len(payloads) else "l3"
-        return LookupResult(tier, n_tokens, payloads=tuple(payloads), fallbacks=notes)
+        return LookupResult(tier, n_tokens, payloads=tuple(payloads), uses=uses, fallbacks=notes)
 
     def fallback(self, reason: str) -> None:
         """Count a tier fault that was turned into a shallower hit or a cold prefill."""
@@ -198,61 +227,50 @@ class PrefixCache:
 
     # -- recording into L3 ----------------------------------------------------------------
 
-    def _chain_for(self, tokens: Tokens, point: int) -> list[tuple[bytes, bytes, int, int]]:
-        """(key, parent, start, n_tokens) of the full pages and exact tail covering [0, point)."""
-        p = self.page_tokens
-        out = []
-        parent = self.root
-        for start in range(0, point, p):
-            n = min(p, point - start)
-            key = chain_key(parent, tokens[start : start + n])
-            out.append((key, parent, start, n))
-            parent = key
-        return out
+    def plan_record(self, tokens: Tokens, point: int) -> RecordPlan | None:
+        """What recording ``tokens[:point]`` would add; None when L3 already holds it all.
 
-    def wants_record(self, tokens: Tokens, points: Sequence[int]) -> bool:
-        """True when L3 lacks a page of some recorded prefix, so a state capture is worth it."""
-        if self.disk is None or not self.disk.serving:
-            return False
-        for point in points:
-            if point <= 0:
-                continue
-            for key, _, _, _ in self._chain_for(tokens, point):
-                if not self.disk.contains(key):
-                    return True
-        self.counters.records_skipped += 1
-        return False
-
-    def record(self, state: SequenceState, tokens: Tokens, points: Sequence[int]) -> int:
-        """Cut ``state`` into pages and queue one record per prefix length in ``points``.
-
-        Returns the records queued. Pages shared between the records are serialized once.
+        The new pages continue the stored path where it ends (possibly at a branch point inside
+        a stored page), cut at multiples of ``page_tokens``, so nothing stored is stored again.
         """
+        if self.disk is None or not self.disk.serving or point <= 0:
+            return None
+        path = self._walk(tokens, point)
+        if path.n_tokens >= point:
+            self.counters.records_skipped += 1
+            return None
+        p = self.page_tokens
+        new = []
+        parent, pos = path.end, path.n_tokens
+        while pos < point:
+            end = min(pos + p - pos % p, point)
+            key = chain_key(parent, tokens[pos:end])
+            new.append((key, parent, pos, end))
+            parent, pos = key, end
+        return RecordPlan(point, path.steps, new)
+
+    def record(self, plan: RecordPlan, state: SequenceState, tokens: Tokens) -> bool:
+        """Queue ``plan``'s record, cutting its new pages out of ``state``; True when queued."""
         if self.disk is None:
-            return 0
-        pages = {page.start: page for page in cut_pages(state, self.page_tokens, keep_tail=False)}
-        serialized: dict[bytes, bytes] = {}
-        queued = 0
-        for point in sorted(set(points)):
-            if point <= 0 or point > state.n_tokens:
-                continue
-            blobs = []
-            for key, parent, start, n in self._chain_for(tokens, point):
-                payload = serialized.get(key)
-                if payload is None:
-                    page = pages.get(start) if n == self.page_tokens else None
-                    if page is None:
-                        page = slice_state(state, start, start + n)
-                    payload = serialized[key] = page.to_bytes()
-                blobs.append(PageBlob(key, parent, n, n < self.page_tokens, payload))
-            record = PrefixRecord(
-                cache_identity=self.identity.hex,
-                model_identity=self.identity.model.id,
-                model_name=self.identity.model.name,
-                n_tokens=point,
-                pages=tuple(blobs),
+            return False
+        pages = [
+            PageBlob(step.key, step.parent, step.n_tokens, b"", None, step.used)
+            for step in plan.reused
+        ]
+        for key, parent, start, end in plan.new:
+            payload = slice_state(state, start, end).to_bytes()
+            pages.append(
+                PageBlob(
+                    key, parent, end - start, token_bytes(tokens[start:end]), payload, end - start
+                )
             )
-            if self.disk.record(record):
-                queued += 1
-        self.counters.records += queued
+        record = PrefixRecord(
+            cache_identity=self.identity.hex,
+            model_identity=self.identity.model.id,
+            model_name=self.identity.model.name,
+            n_tokens=plan.n_tokens,
+            pages=tuple(pages),
+        )
+        queued = self.disk.record(record)
+        self.counters.records += int(queued)
         return queued

@@ -42,6 +42,21 @@ GiB = 1 << 30
 
 Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(format_size, return_type=str)]
 
+
+def _repair_mode(value: Any) -> Any:
+    # true/false (the setting's earlier form, and what env files often hold) mean always/never
+    if isinstance(value, bool):
+        return "always" if value else "never"
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return "always" if value.strip().lower() in ("true", "1") else "never"
+    return value
+
+
+#: When generated tokens are re-decoded as a batch (``l1.repair_generated``).
+Repair = Annotated[Literal["auto", "always", "never"], BeforeValidator(_repair_mode)]
+#: How L3 stores page bytes (see ``skippy_llama.codecs``).
+Compression = Literal["zstd", "none"]
+
 _EXAMPLES = {
     "page_tokens": "128",
     "namespace": "'my-app'",
@@ -85,8 +100,13 @@ class L1Settings(BaseModel):
         ge=1,
         description="resident-token budget; default max_prefixes * n_ctx (streams are preallocated)",
     )
-    repair_generated: bool = Field(
-        True, description="re-decode generated tokens as a batch so later turns reuse them exactly"
+    repair_generated: Repair = Field(
+        "auto",
+        description=(
+            "re-decode a reply as one batch right after it, so the next turn reuses it exactly: "
+            "auto (chat completions, whose replies the next turn extends), always, or never "
+            "(a next turn then decodes the reply within its own prefill)"
+        ),
     )
 
 
@@ -108,6 +128,9 @@ class L3Settings(BaseModel):
     )
     minimum_free: Size = 16 * GiB
     writer_queue: int = Field(64, ge=1, le=4096, description="pending background writes")
+    compression: Compression = Field(
+        "zstd", description="how pages are stored: zstd (lossless, byte-shuffled) or none"
+    )
 
     @field_validator("minimum_free")
     @classmethod

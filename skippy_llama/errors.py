@@ -25,6 +25,10 @@ class LayoutMismatchError(StateFormatError):
     """A page or assembled blob does not match the live context's KV layout."""
 
 
+class UnknownCodecError(StateFormatError):
+    """A stored page names a codec this build does not read (written by another version)."""
+
+
 class TierError(SkippyError):
     """A cache tier failed (I/O, corruption, lock contention); the orchestrator fails open."""
 

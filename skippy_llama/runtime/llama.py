@@ -82,7 +82,10 @@ class SkippyLlama(llama_cpp.Llama):
             if isinstance(kwargs.get(side), str):
                 kwargs[side] = ggml_id
         self._in_generate = False
+        self._chat_request = False  # inside create_chat_completion: the next turn extends the reply
         self._copy_pending = False
+        # leading working-sequence tokens whose cells equal a batched (cold) prefill's
+        self._exact = 0
         super().__init__(model_path, **kwargs)
         self.cache_disabled_reason: str | None = None
         if self.context_params.embeddings:
@@ -255,9 +258,11 @@ class SkippyLlama(llama_cpp.Llama):
     def _restore(self, tokens: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
         """Put the longest cached prefix of ``tokens`` into the working sequence."""
         limit = max(len(tokens) - DECODED_SUFFIX, 0)
-        live = common_prefix(self.input_ids[: self.n_tokens].astype(np.int32), tokens[:limit])
-        # Llama.generate would reuse the live sequence up to the last token; cap it too
-        self.n_tokens = min(self.n_tokens, limit)
+        exact = self._exact_tokens()
+        live = common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit])
+        # Llama.generate would reuse the live sequence up to the last token, generated tokens
+        # included; only the exact part may be reused
+        self.n_tokens = min(exact, limit)
         found = self.prefix_cache.lookup(tokens, limit, live)
         event.lookup_ms = found.lookup_s * 1e3
         event.fallbacks.extend(found.fallbacks)
@@ -271,10 +276,20 @@ class SkippyLlama(llama_cpp.Llama):
         event.tier = found.tier
         event.cached_tokens = found.n_tokens
 
+    def _exact_tokens(self) -> int:
+        return min(self._exact, self.n_tokens)
+
     def _decode(self, tokens: Sequence[int]) -> None:
-        """``Llama.eval`` without the cache: every decode also applies queued stream copies."""
+        """``Llama.eval`` without the cache: every decode also applies queued stream copies.
+
+        A batch of two or more tokens right after the exact part extends it; a lone token (a
+        generated one) takes other kernels, so the exact part stops before it.
+        """
+        before = self.n_tokens
+        exact = self._exact_tokens()
         super().eval(tokens)
         self._copy_pending = False
+        self._exact = self.n_tokens if len(tokens) >= 2 and exact == before else exact
 
     def _apply_pending_copies(self) -> None:
         """Make llama.cpp carry out queued stream copies before stream 0 is overwritten.
@@ -296,7 +311,9 @@ class SkippyLlama(llama_cpp.Llama):
         assert self.kv_layout is not None
         started = time.perf_counter()
         try:
-            pages = [page_from_bytes(p) for p in found.payloads]
+            pages = [
+                page_from_bytes(p).head(n) for p, n in zip(found.payloads, found.uses, strict=True)
+            ]
             blob = assemble(pages, self.kv_layout, seq_id=WORKING_SEQ)
             if sum(p.n_tokens for p in pages) != found.n_tokens:
                 raise StateFormatError("restored pages do not cover the planned prefix")
@@ -314,7 +331,7 @@ class SkippyLlama(llama_cpp.Llama):
                 self.prefix_cache.fallback("set_data_refused")
             return False
         self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
-        self.n_tokens = found.n_tokens
+        self.n_tokens = self._exact = found.n_tokens
         self._requires_eval = True
         event.restored_bytes = len(blob)
         if self.prefix_cache.admission is not None:
@@ -328,7 +345,7 @@ class SkippyLlama(llama_cpp.Llama):
         native.copy_stream(self.ctx, found.seq_id, WORKING_SEQ, keep=found.n_tokens)
         self._copy_pending = True
         self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
-        self.n_tokens = found.n_tokens
+        self.n_tokens = self._exact = found.n_tokens
         self._requires_eval = True
 
     def _park(self, n_tokens: int) -> None:
@@ -373,20 +390,18 @@ class SkippyLlama(llama_cpp.Llama):
             event.suffix_tokens = event.prompt_tokens - event.cached_tokens
             event.repaired_tokens = self._repair(len(prompt))
             self.last_cache_event = event
-            self._park(self.n_tokens)
-            self._record(len(prompt), event)
+            self._park(self._exact_tokens())
+            self._record(event)
 
-    def _record(self, n_prompt: int, event: CacheEvent) -> None:
-        """Queue the prompt prefix and the whole evaluated sequence for L3 (off the request path).
+    def _record(self, event: CacheEvent) -> None:
+        """Queue the exact part of the working sequence for L3, but its last two tokens.
 
-        Up to three prefixes are recorded, sharing their pages: ``[0, n_prompt - 2)``, which the
-        same prompt can reuse (see ``DECODED_SUFFIX``); everything evaluated, which a
-        next chat turn extends; and ``[0, cached)`` when this prompt branched off a cached prefix
-        mid-page, so that a later sibling (the next question over the same document) finds the
-        exact branch point as a tail instead of stopping at the last whole page.
+        A repeat of the prompt cannot use those two (see ``DECODED_SUFFIX``). Only what L3 lacks
+        is captured and written: the record continues the stored page tree where this prompt
+        leaves it, so a prompt that branched off a stored prefix adds just its own tokens.
         """
         cache = self.prefix_cache
-        if cache.disk is None or self.kv_layout is None or self.n_tokens < 2:
+        if cache.disk is None or self.kv_layout is None:
             return
         admission = cache.admission
         if (
@@ -395,15 +410,16 @@ class SkippyLlama(llama_cpp.Llama):
             and event.prefill_ms > 0
         ):
             admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
-        tokens = self.input_ids[: self.n_tokens].astype(np.int32)
-        points = [event.cached_tokens, n_prompt - DECODED_SUFFIX, self.n_tokens]
-        if not cache.wants_record(tokens, points):
+        point = self._exact_tokens() - DECODED_SUFFIX
+        tokens = self.input_ids[: max(point, 0)].astype(np.int32)
+        plan = cache.plan_record(tokens, point)
+        if plan is None:
             return
         try:
             state = parse_state(native.get_seq_state(self.ctx, WORKING_SEQ))
             if state.layout.digest() != self.kv_layout.digest():
                 raise StateFormatError("captured state does not match the probed KV layout")
-            cache.record(state, tokens, points)
+            cache.record(plan, state, tokens)
         except SkippyError as exc:  # fail open: the request already succeeded
             cache.fallback(f"record: {type(exc).__name__}")
             log.warning("skippy-llama: could not record the prefix for L3: %s", exc)
@@ -423,7 +439,8 @@ class SkippyLlama(llama_cpp.Llama):
         are would make the next turn's output depend on the cache. Returns the tokens re-decoded.
         """
         n_generated = self.n_tokens - n_prompt
-        if not self.cache_settings.l1.repair_generated or n_generated <= 0:
+        mode = self.cache_settings.l1.repair_generated
+        if n_generated <= 0 or mode == "never" or (mode == "auto" and not self._chat_request):
             return 0
         generated = self.input_ids[n_prompt : self.n_tokens].tolist()
         native.seq_rm(self.ctx, WORKING_SEQ, n_prompt, -1)
@@ -451,8 +468,8 @@ class SkippyLlama(llama_cpp.Llama):
         )
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
         self.last_cache_event = event
-        self._park(len(whole))
-        self._record(len(whole), event)
+        self._park(self._exact_tokens())
+        self._record(event)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""
@@ -466,6 +483,24 @@ class SkippyLlama(llama_cpp.Llama):
                 "cached_tokens": event.cached_tokens if event is not None else 0
             }
         return result
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        """``Llama.create_chat_completion``; its reply is repaired for the next turn (see
+        ``l1.repair_generated``)."""
+        self._chat_request = True
+        try:
+            result = super().create_chat_completion(*args, **kwargs)
+        finally:
+            self._chat_request = False
+        return self._chat_stream(result) if isinstance(result, Iterator) else result
+
+    def _chat_stream(self, chunks: Iterator[Any]) -> Iterator[Any]:
+        # a streamed reply is generated while the caller iterates, after the call returned
+        self._chat_request = True
+        try:
+            yield from chunks
+        finally:
+            self._chat_request = False
 
     def clear_cache(self) -> None:
         """Drop every resident prefix (L1) from the context."""

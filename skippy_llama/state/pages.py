@@ -56,6 +56,19 @@ class Page:
             + self.n_tokens * (self.layout.ext_bytes + self.layout.kv_bytes_per_cell)
         )
 
+    def head(self, n: int) -> Page:
+        """The page's first ``n`` tokens (views, no copy)."""
+        if not 0 < n <= self.n_tokens:
+            raise StateFormatError(f"cannot take {n} tokens of a {self.n_tokens}-token page")
+        if n == self.n_tokens:
+            return self
+        layout = self.layout
+        v = tuple(
+            arr[:, : n * layer.v_unit] if layout.v_trans else arr[:n]
+            for arr, layer in zip(self.v, layout.layers, strict=True)
+        )
+        return Page(self.start, n, layout, self.ext[:n], tuple(a[:n] for a in self.k), v)
+
     def to_bytes(self) -> bytes:
         """Serialize the page (one copy of its payload)."""
         buf = bytearray(self.nbytes)

@@ -8,9 +8,14 @@ key range that can be listed without touching the others::
     \\x02 + page key   quarantine record: JSON {reason, at, size, pid}
     \\x03 + name       store info: b"activity" (counters of all processes), b"reconciliation"
     \\x04 + last key   manifest of one cached prefix: JSON (identities, pages, sizes, times, hits)
-    \\x05 + parent     tail index: packed (u32 n_tokens, 16-byte tail key) entries
-    \\x06 + page key   page metadata: digest, size, n_tokens, tail flag, parent, owner manifest ids
-    \\x07 + page key   page payload: the raw bytes (never pickled; diskcache stores bytes natively)
+    \\x05 + parent     child index: packed (u32 n_tokens, 16-byte page key, n_tokens × i32 tokens)
+    \\x06 + page key   page metadata: digest, size, n_tokens, indexed flag, parent, owner manifest ids
+    \\x07 + page key   page payload: the stored bytes (never pickled; diskcache stores bytes natively)
+
+Pages form a tree: each is listed with its tokens in the child index of its parent, so a lookup
+can take any prefix of a stored page, and a record that branches off mid-page hangs its next page
+under the branch point instead of storing the shared tokens again. Payloads are stored through a
+lossless codec (:mod:`skippy_llama.codecs`); the digest covers the stored bytes.
 
 Pages are stored once by content key and shared by every manifest that lists them (the owner list
 in their metadata is the reference count). The payload digest lives in the metadata, so ``digest()``
@@ -53,8 +58,9 @@ import diskcache
 import xxhash
 
 from ..admission import AdmissionPolicy
+from ..codecs import decode, encode
 from ..config import L3Settings
-from ..errors import ConfigError
+from ..errors import ConfigError, StateFormatError, UnknownCodecError
 from .records import (
     KEY_BYTES,
     ClearResult,
@@ -103,15 +109,15 @@ _PIN = b"\x01"
 _QUAR = b"\x02"
 _INFO = b"\x03"
 _MAN = b"\x04"
-_TAIL = b"\x05"
+_KIDS = b"\x05"
 _META = b"\x06"
 _DATA = b"\x07"
-_KINDS = (_PIN, _QUAR, _INFO, _MAN, _TAIL, _META, _DATA)
+_KINDS = (_PIN, _QUAR, _INFO, _MAN, _KIDS, _META, _DATA)
 _ACTIVITY = _INFO + b"activity"
 _RECONCILIATION = _INFO + b"reconciliation"
 
-_META_HEAD = struct.Struct("<16sQIB16s")  # digest, size, n_tokens, tail, parent; then owners
-_TAIL_ENTRY = struct.Struct("<I16s")
+_META_HEAD = struct.Struct("<16sQIB16s")  # digest, size, n_tokens, indexed, parent; then owners
+_KID_HEAD = struct.Struct("<I16s")  # n_tokens, page key; then the tokens
 _MANIFEST_VERSION = 1
 
 _SERVING: frozenset[str] = frozenset({"active", "read_only_low_space", "storage_error"})
@@ -134,22 +140,44 @@ class _Meta:
     digest: bytes
     size: int
     n_tokens: int
-    tail: bool
+    indexed: bool  # listed in the child index of ``parent``
     parent: bytes
     owners: list[bytes]
 
     def pack(self) -> bytes:
-        head = _META_HEAD.pack(self.digest, self.size, self.n_tokens, int(self.tail), self.parent)
+        head = _META_HEAD.pack(
+            self.digest, self.size, self.n_tokens, int(self.indexed), self.parent
+        )
         return head + b"".join(self.owners)
 
     @classmethod
     def unpack(cls, raw: bytes) -> _Meta:
         if len(raw) < _META_HEAD.size or (len(raw) - _META_HEAD.size) % KEY_BYTES:
             raise ValueError("malformed page metadata")
-        digest, size, n_tokens, tail, parent = _META_HEAD.unpack_from(raw)
+        digest, size, n_tokens, indexed, parent = _META_HEAD.unpack_from(raw)
         rest = raw[_META_HEAD.size :]
         owners = [rest[i : i + KEY_BYTES] for i in range(0, len(rest), KEY_BYTES)]
-        return cls(digest, size, n_tokens, bool(tail), parent, owners)
+        return cls(digest, size, n_tokens, bool(indexed), parent, owners)
+
+
+def _kid_entries(raw: bytes) -> list[tuple[bytes, bytes]] | None:
+    """Entries of a child index as ``(page key, token bytes)``; None when it does not parse."""
+    out = []
+    off = 0
+    while off < len(raw):
+        if off + _KID_HEAD.size > len(raw):
+            return None
+        n, key = _KID_HEAD.unpack_from(raw, off)
+        end = off + _KID_HEAD.size + 4 * n
+        if n == 0 or end > len(raw):
+            return None
+        out.append((bytes(key), bytes(raw[off + _KID_HEAD.size : end])))
+        off = end
+    return out
+
+
+def _kid_pack(entries: Iterable[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(_KID_HEAD.pack(len(tokens) // 4, key) + tokens for key, tokens in entries)
 
 
 _BATCH = 256
@@ -531,19 +559,19 @@ class DiskTier:
             self._fault(exc, "contains")
             return False
 
-    def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
-        """Tail pages stored after ``parent``: ``(n_tokens, tail key)``, longest first."""
+    def children(self, parent: bytes) -> list[tuple[bytes, bytes]]:
+        """Pages stored after node ``parent``: ``(page key, tokens as int32 bytes)``.
+
+        A damaged index answers nothing (reconciliation rewrites it); never raises.
+        """
         if not self.serving:
             return []
         try:
-            raw = self._cache.get(_TAIL + parent)
+            raw = self._cache.get(_KIDS + parent)
         except Exception as exc:
-            self._fault(exc, "tails")
+            self._fault(exc, "children")
             return []
-        if not raw:
-            return []
-        entries = [_TAIL_ENTRY.unpack_from(raw, i) for i in range(0, len(raw), _TAIL_ENTRY.size)]
-        return sorted(((int(n), bytes(k)) for n, k in entries), reverse=True)
+        return (_kid_entries(raw) or []) if raw else []
 
     def digest(self, key: bytes) -> bytes | None:
         """The stored digest of page ``key`` (metadata only), or None if the store lacks it."""
@@ -604,7 +632,15 @@ class DiskTier:
                 if payload_digest(payload) != meta.digest:
                     self._quarantine(key, "digest_mismatch")
                     break
-                out.append(payload)
+                try:
+                    page = decode(payload)
+                except UnknownCodecError:
+                    self._count("unknown_codec")  # another version's data: a miss, kept
+                    break
+                except StateFormatError:
+                    self._quarantine(key, "undecodable")
+                    break
+                out.append(page)
                 metas.append(meta)
         if not out:
             self._count("misses")
@@ -612,7 +648,7 @@ class DiskTier:
         self._ok()
         self._count("hits")
         self._count("pages_read", len(out))
-        self._count("bytes_read", sum(len(p) for p in out))
+        self._count("bytes_read", sum(m.size for m in metas))
         # Hit the manifests this read served: every manifest that contains the last page served
         # (its owners), plus the shorter manifests that ended on an earlier served page.
         touched = set(metas[-1].owners)
@@ -697,8 +733,12 @@ class DiskTier:
                 self._maintain()
 
     def _write(self, rec: PrefixRecord) -> None:
-        """Write one record: payloads once by content (``add``), then metadata, manifest and tail
-        index in one transaction; then evict if over budget."""
+        """Write one record: new payloads once by content (``add``), then metadata, child index
+        and manifest in one transaction; then evict if over budget.
+
+        A record whose reused pages were removed meanwhile (evicted, quarantined) is dropped:
+        its new pages would hang under a branch no lookup can reach.
+        """
         size = rec.payload_bytes
         free = self.free_bytes(fresh=True)
         if free is not None and free - size < self.settings.minimum_free:
@@ -720,8 +760,9 @@ class DiskTier:
                 shares: list[tuple[int, int]] = []
                 for page in rec.pages:
                     raw = cache.get(_META + page.key)
-                    refs = 1 if raw is None else len(_Meta.unpack(raw).owners) + 1
-                    shares.append((len(page.payload), refs))
+                    meta = None if raw is None else _Meta.unpack(raw)
+                    page_size = meta.size if meta is not None else len(page.payload or b"")
+                    shares.append((page_size, 1 if meta is None else len(meta.owners) + 1))
                 excl = sum(s / r for s, r in shares)
                 decision = self.admission.decide(rec.n_tokens, size, excl)
                 if decision.reason == "fallback_unmeasured":
@@ -730,50 +771,23 @@ class DiskTier:
                     self._count("rejected")
                     return
                 self._count("admitted")
-            digests = [payload_digest(page.payload) for page in rec.pages]
+            stored = {
+                page.key: encode(page.payload, self.settings.compression)
+                for page in rec.pages
+                if page.payload is not None
+            }
             token = self.pin([page.key for page in rec.pages])
             try:
-                for page in rec.pages:
-                    if (_DATA + page.key) in cache:
+                for key, data in stored.items():
+                    if (_DATA + key) in cache:
                         self._count("pages_deduplicated")
-                        continue
                     # add() is atomic: of several processes writing the same page, one wins.
-                    if cache.add(_DATA + page.key, bytes(page.payload)):
+                    elif cache.add(_DATA + key, data):
                         self._count("writes")
-                        self._count("bytes_written", len(page.payload))
+                        self._count("bytes_written", len(data))
                     else:
                         self._count("pages_deduplicated")
-                new_manifest = False
-                with self._store_lock, cache.transact():
-                    for page, dig in zip(rec.pages, digests, strict=True):
-                        raw = cache.get(_META + page.key)
-                        if raw is None:
-                            if (_DATA + page.key) not in cache:
-                                # Removed between our add and this transaction (another process's
-                                # eviction before our pin landed): write it again, under the lock.
-                                cache.set(_DATA + page.key, bytes(page.payload))
-                                self._count("writes")
-                                self._count("bytes_written", len(page.payload))
-                            meta = _Meta(
-                                dig, len(page.payload), page.n_tokens, page.tail, page.parent, [mid]
-                            )
-                            if page.tail:
-                                self._tail_add(page.parent, page.n_tokens, page.key)
-                        else:
-                            meta = _Meta.unpack(raw)
-                            if mid in meta.owners:
-                                continue
-                            meta.owners.append(mid)
-                        cache.set(_META + page.key, meta.pack())
-                    now = time.time()
-                    raw_man = cache.get(_MAN + mid)
-                    if raw_man is None:
-                        cache.set(_MAN + mid, _dumps(self._manifest(rec, now)))
-                        new_manifest = True
-                    else:  # the same prefix again: refresh its recency, it is not a hit
-                        man = json.loads(raw_man)
-                        man["last_used"] = max(man["last_used"], now)
-                        cache.set(_MAN + mid, _dumps(man))
+                new_manifest = self._commit(rec, stored)
             finally:
                 self.unpin(token)
         except Exception as exc:
@@ -781,6 +795,10 @@ class DiskTier:
             self._count("dropped_writes")
             return
         self._ok()
+        if new_manifest is None:
+            self._count("dropped_writes")
+            self._count("dropped_stale")
+            return
         if new_manifest:
             self._count("manifests_written")
             if self.admission is not None:
@@ -788,8 +806,55 @@ class DiskTier:
         if self.used_bytes() > budget:
             self._evict_to(int(budget * LOW_WATERMARK), counter="evictions")
 
+    def _commit(self, rec: PrefixRecord, stored: dict[bytes, bytes]) -> bool | None:
+        """Metadata, child index and manifest of ``rec`` in one transaction.
+
+        Returns True for a new manifest, False for a refreshed one, None when a reused page is
+        gone (nothing is changed then).
+        """
+        cache = self._cache
+        mid = rec.manifest_id
+        with self._store_lock, cache.transact():
+            metas = []
+            for page in rec.pages:
+                raw = cache.get(_META + page.key)
+                if raw is None and page.payload is None:
+                    return None
+                metas.append(None if raw is None else _Meta.unpack(raw))
+            sizes = []
+            for page, meta in zip(rec.pages, metas, strict=True):
+                if meta is None:
+                    data = stored[page.key]
+                    if (_DATA + page.key) not in cache:
+                        # Removed between our add and this transaction (another process's
+                        # eviction before our pin landed): write it again, under the lock.
+                        cache.set(_DATA + page.key, data)
+                        self._count("writes")
+                        self._count("bytes_written", len(data))
+                    meta = _Meta(
+                        payload_digest(data), len(data), page.n_tokens, True, page.parent, [mid]
+                    )
+                    self._kid_add(page.parent, page.key, page.tokens)
+                elif mid in meta.owners:
+                    sizes.append(meta.size)
+                    continue
+                else:
+                    meta.owners.append(mid)
+                sizes.append(meta.size)
+                cache.set(_META + page.key, meta.pack())
+            now = time.time()
+            raw_man = cache.get(_MAN + mid)
+            if raw_man is None:
+                cache.set(_MAN + mid, _dumps(self._manifest(rec, sizes, now)))
+                return True
+            # the same prefix again: refresh its recency, it is not a hit
+            man = json.loads(raw_man)
+            man["last_used"] = max(man["last_used"], now)
+            cache.set(_MAN + mid, _dumps(man))
+            return False
+
     @staticmethod
-    def _manifest(rec: PrefixRecord, now: float) -> dict[str, Any]:
+    def _manifest(rec: PrefixRecord, sizes: list[int], now: float) -> dict[str, Any]:
         return {
             "v": _MANIFEST_VERSION,
             "id": rec.manifest_id.hex(),
@@ -798,33 +863,34 @@ class DiskTier:
             "model_name": rec.model_name,
             "n_tokens": rec.n_tokens,
             "root": rec.pages[0].parent.hex(),
-            "pages": [[p.key.hex(), p.n_tokens, len(p.payload), int(p.tail)] for p in rec.pages],
-            "bytes": rec.payload_bytes,
+            # [key, tokens used, stored bytes, tokens in the page]
+            "pages": [
+                [p.key.hex(), p.used, size, p.n_tokens]
+                for p, size in zip(rec.pages, sizes, strict=True)
+            ],
+            "bytes": sum(sizes),
             "created": now,
             "last_used": now,
             "hits": 0,
             "probation": True,
         }
 
-    def _tail_add(self, parent: bytes, n_tokens: int, key: bytes) -> None:
-        raw = self._cache.get(_TAIL + parent) or b""
-        stored = {raw[i + 4 : i + _TAIL_ENTRY.size] for i in range(0, len(raw), _TAIL_ENTRY.size)}
-        if key not in stored:
-            self._cache.set(_TAIL + parent, bytes(raw) + _TAIL_ENTRY.pack(n_tokens, key))
+    def _kid_add(self, parent: bytes, key: bytes, tokens: bytes) -> None:
+        raw = self._cache.get(_KIDS + parent) or b""
+        entries = _kid_entries(raw) or []  # a damaged index is rebuilt from what is added
+        if all(k != key for k, _ in entries):
+            entries.append((key, tokens))
+            self._cache.set(_KIDS + parent, _kid_pack(entries))
 
-    def _tail_remove(self, parent: bytes, key: bytes) -> None:
-        raw = self._cache.get(_TAIL + parent)
+    def _kid_remove(self, parent: bytes, key: bytes) -> None:
+        raw = self._cache.get(_KIDS + parent)
         if not raw:
             return
-        kept = [
-            raw[i : i + _TAIL_ENTRY.size]
-            for i in range(0, len(raw), _TAIL_ENTRY.size)
-            if raw[i + 4 : i + _TAIL_ENTRY.size] != key
-        ]
+        kept = [(k, t) for k, t in _kid_entries(raw) or [] if k != key]
         if kept:
-            self._cache.set(_TAIL + parent, b"".join(kept))
+            self._cache.set(_KIDS + parent, _kid_pack(kept))
         else:
-            self._cache.delete(_TAIL + parent)
+            self._cache.delete(_KIDS + parent)
 
     # ------------------------------------------------------------------ flush and close
 
@@ -919,8 +985,8 @@ class DiskTier:
     def _delete_page(self, key: bytes, meta: _Meta | None) -> None:
         self._cache.delete(_META + key)
         self._cache.delete(_DATA + key)
-        if meta is not None and meta.tail:
-            self._tail_remove(meta.parent, key)
+        if meta is not None and meta.indexed:
+            self._kid_remove(meta.parent, key)
 
     def _remove_manifest(
         self, mid: bytes, pins: set[bytes], *, respect_pins: bool
@@ -1206,22 +1272,19 @@ class DiskTier:
                     cache.delete(key)
                     counts["orphan_pages_removed"] += 1
 
-        # Tail index entries must point at stored pages.
-        for batch in _batches(self._keys(_TAIL)):
+        # Child index entries must parse and point at stored pages.
+        for batch in _batches(self._keys(_KIDS)):
             with self._store_lock, cache.transact():
                 for key in batch:
                     raw = cache.get(key)
                     if raw is None:
                         continue
-                    kept = [
-                        raw[i : i + _TAIL_ENTRY.size]
-                        for i in range(0, len(raw), _TAIL_ENTRY.size)
-                        if (_META + raw[i + 4 : i + _TAIL_ENTRY.size]) in cache
-                    ]
-                    if len(kept) * _TAIL_ENTRY.size != len(raw):
-                        counts["tails_fixed"] += len(raw) // _TAIL_ENTRY.size - len(kept)
+                    entries = _kid_entries(raw)
+                    kept = [(k, t) for k, t in entries or [] if (_META + k) in cache]
+                    if entries is None or len(kept) != len(entries):
+                        counts["index_fixed"] += 1 if entries is None else len(entries) - len(kept)
                         if kept:
-                            cache.set(key, b"".join(kept))
+                            cache.set(key, _kid_pack(kept))
                         else:
                             cache.delete(key)
 

@@ -19,32 +19,45 @@ DegradedReason = Literal["storage_unavailable", "budget_below_entry_floor", "sto
 
 @dataclass(frozen=True)
 class PageBlob:
-    """One serialized page and its place in the key chain.
+    """One page of a record and its place in the page tree.
+
+    Pages form a tree: every page is indexed under its ``parent`` with its tokens, so a lookup can
+    use any *prefix* of a stored page (a prompt that branches off mid-page) and a later record
+    hangs its next page under that branch point instead of storing the shared tokens again.
 
     Attributes:
         key: 16-byte chain key of this page (opaque to the tiers).
-        parent: 16-byte key of the previous page, or the cache-identity root for page 0.
-        n_tokens: tokens the page covers.
-        tail: True for an exact-length last partial page (indexed by ``parent``).
-        payload: the serialized page (opaque to the tiers).
+        parent: 16-byte key of the node this page follows: the previous page's key, the key of a
+            branch point inside it, or the cache-identity root for position 0.
+        n_tokens: tokens the page holds.
+        tokens: the page's tokens as little-endian int32 (the child index stores them).
+        payload: the serialized page, or None for a page already stored that the record reuses.
+        used: tokens of this page the record's prefix covers (``n_tokens`` but at a branch point).
     """
 
     key: bytes
     parent: bytes
     n_tokens: int
-    tail: bool
-    payload: bytes
+    tokens: bytes
+    payload: bytes | None
+    used: int
 
     def __post_init__(self) -> None:
         if len(self.key) != KEY_BYTES or len(self.parent) != KEY_BYTES:
             raise ValueError("page key and parent must be 16 bytes (xxh3_128)")
         if self.n_tokens <= 0:
             raise ValueError(f"page n_tokens must be positive, got {self.n_tokens}")
+        if not 0 < self.used <= self.n_tokens:
+            raise ValueError(f"page uses {self.used} of its {self.n_tokens} tokens")
+        if self.payload is not None and len(self.tokens) != 4 * self.n_tokens:
+            raise ValueError("a new page needs its tokens (4 bytes each)")
 
 
 @dataclass(frozen=True)
 class PrefixRecord:
-    """A cached prefix: its identities and its pages in chain order (only the last may be a tail).
+    """A cached prefix: its identities and its pages in tree order, page 0 first.
+
+    Every page but the last may be used partly (a branch point); the last is used whole and new.
 
     Attributes:
         cache_identity: hex cache identity (the chain root).
@@ -63,13 +76,14 @@ class PrefixRecord:
     def __post_init__(self) -> None:
         if not self.pages:
             raise ValueError("a prefix record needs at least one page")
-        if any(page.tail for page in self.pages[:-1]):
-            raise ValueError("only the last page of a prefix record may be a tail")
+        last = self.pages[-1]
+        if last.payload is None or last.used != last.n_tokens:
+            raise ValueError("the last page of a prefix record must be new and used whole")
         for prev, page in zip(self.pages, self.pages[1:], strict=False):
-            if page.parent != prev.key:
+            if prev.used == prev.n_tokens and page.parent != prev.key:
                 raise ValueError("prefix record pages are not in chain order")
-        if sum(page.n_tokens for page in self.pages) != self.n_tokens:
-            raise ValueError("prefix record n_tokens differs from the sum of its pages")
+        if sum(page.used for page in self.pages) != self.n_tokens:
+            raise ValueError("prefix record n_tokens differs from the tokens its pages cover")
 
     @property
     def manifest_id(self) -> bytes:
@@ -78,7 +92,8 @@ class PrefixRecord:
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(page.payload) for page in self.pages)
+        """Bytes of the pages this record adds (reused pages are already stored)."""
+        return sum(len(page.payload) for page in self.pages if page.payload is not None)
 
 
 class _Json:
@@ -118,9 +133,11 @@ class DiskActivity(_Json):
     pruned: int = 0  # manifests removed by prune/clear
     corrupt_entries: int = 0  # pages that failed digest/size checks (quarantined)
     missing_pages: int = 0  # pages whose payload vanished (deleted mid-read, lost files)
+    unknown_codec: int = 0  # pages stored with a codec this build does not read (missed)
     dropped_writes: int = 0  # records not written: queue full, low space, off, errors
     dropped_queue_full: int = 0
     dropped_low_space: int = 0
+    dropped_stale: int = 0  # records whose reused pages were removed before the write
     storage_errors: int = 0
     lock_timeouts: int = 0
     admitted: int = 0
@@ -150,7 +167,7 @@ class Reconciliation(_Json):
     unknown_keys: int = 0  # keys of no kind we know (left alone: not ours to delete)
     stale_pins_removed: int = 0  # pins of processes that are gone
     manifests_removed: int = 0  # manifests that were unreadable or whose pages are missing
-    tails_fixed: int = 0  # tail-index entries pointing at missing pages
+    index_fixed: int = 0  # child-index entries pointing at missing pages (or unreadable)
     quarantined: int = 0  # pages quarantined by this run
     quarantined_total: int = 0  # quarantine records in the store after this run
 

@@ -39,7 +39,10 @@ def make_record(labels, size, model="m1"):
     pages, parent = [], ROOT
     for label in labels:
         key = xxhash.xxh3_128_digest(parent + label.encode())
-        pages.append(PageBlob(key, parent, 128, False, random.Random(key).randbytes(size)))
+        # page magic + random (incompressible) bytes, stored as they are (compression "none")
+        payload = b"SKPG" + random.Random(key).randbytes(size - 4)
+        tokens = random.Random(label).randbytes(4 * 128)
+        pages.append(PageBlob(key, parent, 128, tokens, payload, 128))
         parent = key
     return PrefixRecord("c" * 32, model, "Model " + model, 128 * len(pages), tuple(pages))
 
@@ -50,6 +53,7 @@ def open_tier(spec):
         budget=spec.get("budget", "1GiB"),
         directory=spec["dir"],
         minimum_free=spec.get("minimum_free", "1GiB"),
+        compression="none",
     )
     return DiskTier(settings, verify=spec.get("verify", False))
 
@@ -131,7 +135,9 @@ def status_json(directory: Path, *extra: str, environ: dict[str, str] | None = N
 
 
 def fill(directory: Path, records: list[tuple[list[str], str]], size: int = 100 * KiB) -> None:
-    settings = L3Settings(mode="fixed", budget="1GiB", directory=directory, minimum_free="1GiB")
+    settings = L3Settings(
+        mode="fixed", budget="1GiB", directory=directory, minimum_free="1GiB", compression="none"
+    )
     tier = DiskTier(settings, close_at_exit=False)
     for labels, model in records:
         assert tier.record(make_record(labels, size, model))

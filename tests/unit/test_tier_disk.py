@@ -29,6 +29,11 @@ ROOT = b"\x00" * 16
 PLENTY = 500 * GiB  # free space reported by the fake statvfs
 
 
+def label_tokens(label: str, n: int) -> bytes:
+    """``n`` deterministic int32 tokens standing for ``label`` (distinct labels differ at once)."""
+    return random.Random(label).randbytes(4 * n)
+
+
 def chain(
     labels: list[str],
     *,
@@ -37,14 +42,18 @@ def chain(
     tail_tokens: int | None = None,
     root: bytes = ROOT,
 ) -> PrefixRecord:
-    """A record whose page i is keyed by the labels up to i (shared labels = shared pages)."""
+    """A record whose page i is keyed by the labels up to i (shared labels = shared pages).
+
+    Payloads start with the page magic, as real pages do (the ``none`` codec stores them as they
+    are), and are otherwise random: incompressible.
+    """
     pages = []
     parent = root
     for i, label in enumerate(labels):
-        tail = tail_tokens is not None and i == len(labels) - 1
+        n = tail_tokens if tail_tokens is not None and i == len(labels) - 1 else 128
         key = xxhash.xxh3_128_digest(parent + label.encode())
-        payload = random.Random(key).randbytes(size)
-        pages.append(PageBlob(key, parent, tail_tokens if tail else 128, tail, payload))
+        payload = b"SKPG" + random.Random(key).randbytes(size - 4)
+        pages.append(PageBlob(key, parent, n, label_tokens(label, n), payload, n))
         parent = key
     n = sum(p.n_tokens for p in pages)
     return PrefixRecord("c" * 32, model, f"name-{model}", n, tuple(pages))
@@ -60,6 +69,7 @@ def settings(directory: Path, **kw: Any) -> L3Settings:
         "budget": "1GiB",
         "directory": str(directory),
         "minimum_free": "1GiB",
+        "compression": "none",  # sizes and digests below are those of the payloads themselves
     }
     base.update(kw)
     return L3Settings(**base)
@@ -211,16 +221,96 @@ def test_shared_pages_are_stored_once(open_tier: Any) -> None:
     assert entry.bytes == sum(len(p.payload) for p in first.pages) + len(second.pages[2].payload)
 
 
-def test_tail_index(open_tier: Any) -> None:
+def test_child_index_lists_every_page_with_its_tokens(open_tier: Any) -> None:
     tier = open_tier()
     short = chain(["a", "t1"], tail_tokens=17)
     longer = chain(["a", "t2"], tail_tokens=90)
     record_now(tier, short)
     record_now(tier, longer)
     parent = short.pages[0].key
-    assert tier.tails(parent) == [(90, longer.pages[1].key), (17, short.pages[1].key)]
+    assert sorted(tier.children(parent)) == sorted(
+        [
+            (short.pages[1].key, label_tokens("t1", 17)),
+            (longer.pages[1].key, label_tokens("t2", 90)),
+        ]
+    )
+    assert tier.children(ROOT) == [(short.pages[0].key, label_tokens("a", 128))]
     tier.clear()
-    assert tier.tails(parent) == []
+    assert tier.children(parent) == []
+
+
+def test_a_record_reusing_part_of_a_stored_page_stores_only_its_new_page(open_tier: Any) -> None:
+    tier = open_tier()
+    first = chain(["a", "b"])
+    record_now(tier, first)
+    # a prompt that branched off after 40 tokens of page "b": reuse those, add one new page
+    a, b = first.pages
+    branch = xxhash.xxh3_128_digest(b.key + b"branch")
+    reused = PageBlob(b.key, b.parent, 128, b"", None, 40)
+    new = PageBlob(branch, b"\x03" * 16, 88, label_tokens("c", 88), b"SKPG" + bytes(996), 88)
+    rec = PrefixRecord("c" * 32, "m1", "name-m1", 128 + 40 + 88, (
+        PageBlob(a.key, a.parent, 128, b"", None, 128), reused, new
+    ))  # fmt: skip
+    record_now(tier, rec)
+    status = tier.status()
+    assert (status.usage.pages, status.usage.manifests) == (3, 2)
+    assert status.process_activity.writes == 3 and status.process_activity.pages_deduplicated == 0
+    assert tier.refcount(b.key) == 2 and tier.refcount(branch) == 1
+    assert tier.children(b"\x03" * 16) == [(branch, label_tokens("c", 88))]
+    man = json.loads(tier._cache.get(b"\x04" + branch))
+    assert [p[1] for p in man["pages"]] == [128, 40, 88]  # tokens used of each page
+
+
+def test_a_record_whose_reused_page_vanished_is_dropped(open_tier: Any) -> None:
+    tier = open_tier()
+    first = chain(["a"])
+    record_now(tier, first)
+    gone = PageBlob(b"\x09" * 16, ROOT, 128, b"", None, 128)
+    new = PageBlob(b"\x0a" * 16, b"\x09" * 16, 8, label_tokens("x", 8), b"SKPG" + bytes(60), 8)
+    record_now(tier, PrefixRecord("c" * 32, "m1", "name-m1", 136, (gone, new)))
+    activity = tier.status().process_activity
+    assert activity.dropped_stale == 1 and activity.dropped_writes == 1
+    assert not tier.contains(b"\x0a" * 16)
+    assert tier.children(b"\x09" * 16) == []
+
+
+def test_zstd_pages_are_smaller_and_read_back_bit_identical(open_tier: Any) -> None:
+    tier = open_tier(compression="zstd")
+    rng = random.Random(7)
+    # F16-like bytes: random low bytes, a few distinct high (exponent) bytes
+    body = bytes(b for _ in range(20 * KiB) for b in (rng.randrange(256), rng.choice(b"\x3c\xbc")))
+    payload = b"SKPG" + body
+    page = PageBlob(b"\x05" * 16, ROOT, 128, label_tokens("z", 128), payload, 128)
+    record_now(tier, PrefixRecord("c" * 32, "m1", "name-m1", 128, (page,)))
+    assert tier.read([page.key]) == [payload]
+    activity = tier.status().process_activity
+    assert 0 < activity.bytes_written < 0.75 * len(payload)
+    assert activity.bytes_read == activity.bytes_written  # stored bytes were read
+
+
+def test_an_unknown_codec_is_a_miss_not_a_quarantine(open_tier: Any) -> None:
+    tier = open_tier()
+    page = PageBlob(b"\x06" * 16, ROOT, 8, label_tokens("u", 8), b"SKX9" + bytes(60), 8)
+    record_now(tier, PrefixRecord("c" * 32, "m1", "name-m1", 8, (page,)))
+    assert tier.read([page.key]) == []
+    status = tier.status()
+    assert status.process_activity.unknown_codec == 1
+    assert status.usage.quarantined == 0 and tier.contains(page.key)
+
+
+def test_a_damaged_compressed_page_is_quarantined(open_tier: Any) -> None:
+    tier = open_tier(compression="zstd")
+    page = PageBlob(b"\x07" * 16, ROOT, 8, label_tokens("d", 8), b"SKPG" + bytes(4000), 8)
+    record_now(tier, PrefixRecord("c" * 32, "m1", "name-m1", 8, (page,)))
+    # rewrite the stored frame so its digest matches but blosc cannot decode it
+    bad = b"SKZ1" + bytes(40)
+    meta = disk_mod._Meta.unpack(tier._cache.get(b"\x06" + page.key))
+    meta.digest, meta.size = payload_digest(bad), len(bad)
+    tier._cache.set(b"\x06" + page.key, meta.pack())
+    tier._cache.set(b"\x07" + page.key, bad)
+    assert tier.read([page.key]) == []
+    status = tier.status()
+    assert status.usage.quarantined == 1 and status.activity.corrupt_entries == 1
 
 
 def test_pending_writes_land_on_close(open_tier: Any, store_dir: Path) -> None:
@@ -518,7 +608,7 @@ def test_io_errors_fail_open_then_recover(open_tier: Any) -> None:
         assert tier.read(keys) == []
     assert (tier.state, tier.reason) == ("degraded", "storage_error")
     assert tier.contains(keys[0]) is False and tier.digest(keys[0]) is None
-    assert tier.tails(keys[0]) == []
+    assert tier.children(keys[0]) == []
     assert tier.record(chain(["b"])) is True  # still tried: the fault may be transient
     assert tier.flush(10)
     activity = tier.status().process_activity

@@ -1,0 +1,122 @@
+"""The orchestrator over a real L3 directory with synthetic states: the page tree.
+
+Prompts that share a prefix share its pages; a prompt that branches off inside a stored page
+reuses the tokens before the branch and records only its own; nothing is stored twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from statefixtures import Spec, build_state, make_content
+
+from skippy_llama.cache import PrefixCache
+from skippy_llama.config import L3Settings
+from skippy_llama.identity import CacheIdentity, ModelIdentity
+from skippy_llama.state import assemble, page_from_bytes, parse_state
+from skippy_llama.tiers.disk import DiskTier
+
+SPEC = Spec(n_layer=2, n_embd_k=16, n_embd_v=16, v_trans=True)
+CONTENT = make_content(SPEC, 700, seed=3)
+STATE = parse_state(build_state(CONTENT, 700).data)
+IDENTITY = CacheIdentity(
+    model=ModelIdentity(digest="d" * 32, architecture="llama", geometry={"n_layer": 2}),
+    layout_digest=STATE.layout.digest(),
+    type_k=1,
+    type_v=1,
+    flash_attn=False,
+    v_trans=True,
+    rope_freq_base=10000.0,
+    rope_freq_scale=1.0,
+    yarn=(-1.0, 1.0, 32.0, 1.0, 0.0, -1.0),
+    n_swa=0,
+    kv_unified=False,
+    backend="CPU",
+)
+
+
+def prompt(shared: int, n: int, seed: int) -> np.ndarray:
+    """``n`` tokens whose first ``shared`` are 0..shared-1 and the rest differ per seed."""
+    rest = np.random.default_rng(seed).integers(1000, 30000, size=n - shared)
+    return np.concatenate([np.arange(shared), rest]).astype(np.int32)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[PrefixCache]:
+    settings = L3Settings(
+        mode="fixed", budget="1GiB", directory=tmp_path / "l3", minimum_free="1GiB"
+    )
+    disk = DiskTier(settings, disk_free=lambda _p: 1 << 40, close_at_exit=False)
+    yield PrefixCache(identity=IDENTITY, page_tokens=128, resident=None, disk=disk)
+    disk.close()
+
+
+def record(cache: PrefixCache, tokens: np.ndarray) -> None:
+    plan = cache.plan_record(tokens, len(tokens))
+    assert plan is not None
+    assert cache.record(plan, STATE, tokens)
+    assert cache.disk is not None and cache.disk.flush(10)
+
+
+def served(cache: PrefixCache, tokens: np.ndarray, limit: int) -> tuple[int, tuple[int, ...]]:
+    """Tokens a lookup serves from L3 and how many of each page; checks the restored bytes."""
+    found = cache.lookup(tokens, limit, live=0)
+    if found.n_tokens:
+        pages = [
+            page_from_bytes(p).head(n) for p, n in zip(found.payloads, found.uses, strict=True)
+        ]
+        blob = assemble(pages, STATE.layout)
+        assert bytes(blob) == build_state(CONTENT, found.n_tokens).data
+    return found.n_tokens, found.uses
+
+
+def stored_pages(cache: PrefixCache) -> int:
+    assert cache.disk is not None
+    return cache.disk.status().usage.pages
+
+
+def test_a_branching_prompt_reuses_part_of_a_page_and_stores_only_its_own_tokens(
+    cache: PrefixCache,
+) -> None:
+    a = prompt(300, 300, seed=1)
+    record(cache, a)
+    assert stored_pages(cache) == 3  # 128 + 128 + 44
+    assert served(cache, a, 298) == (298, (128, 128, 42))
+
+    b = prompt(200, 330, seed=2)  # branches off inside A's second page
+    assert served(cache, b, 328) == (200, (128, 72))
+    plan = cache.plan_record(b, len(b))
+    assert plan is not None
+    assert [s.used for s in plan.reused] == [128, 72]
+    assert [(start, end) for _, _, start, end in plan.new] == [(200, 256), (256, 330)]
+    record(cache, b)
+    assert stored_pages(cache) == 5
+    assert served(cache, b, 328) == (328, (128, 72, 56, 72))
+
+    # C follows B past the branch point: the walk goes through the branch into B's pages
+    c = np.concatenate([b[:240], prompt(0, 60, seed=3)]).astype(np.int32)
+    assert served(cache, c, 298) == (240, (128, 72, 40))
+
+
+def test_an_extended_prompt_continues_the_stored_tail(cache: PrefixCache) -> None:
+    turn1 = prompt(150, 150, seed=1)
+    record(cache, turn1)
+    turn2 = np.concatenate([turn1, prompt(0, 300, seed=4)]).astype(np.int32)
+    plan = cache.plan_record(turn2, len(turn2))
+    assert plan is not None
+    assert [s.used for s in plan.reused] == [128, 22]
+    assert [(start, end) for _, _, start, end in plan.new] == [(150, 256), (256, 384), (384, 450)]
+    record(cache, turn2)
+    assert stored_pages(cache) == 5
+    assert served(cache, turn2, 448) == (448, (128, 22, 106, 128, 64))
+
+
+def test_a_stored_prefix_is_not_planned_again(cache: PrefixCache) -> None:
+    a = prompt(256, 256, seed=1)
+    record(cache, a)
+    assert cache.plan_record(a, 256) is None
+    assert cache.plan_record(a, 200) is None
+    assert cache.counters.records_skipped == 2
