@@ -735,7 +735,10 @@ def evaluate_targets(workloads: dict[str, Any]) -> dict[str, Any]:
         ram_phases = w["contenders"]["ram_cache"]["bytes_stored_per_phase"]
         sk_phases = w["contenders"]["skippy"]["bytes_stored_per_phase"]
         ram_so_far = [sum(ram_phases[: i + 1]) for i in range(len(ram_phases))]
-        ratios = [round(sk / ram, 3) if ram else None for sk, ram in zip(sk_phases, ram_so_far)]
+        ratios = [
+            round(sk / ram, 3) if ram else None
+            for sk, ram in zip(sk_phases, ram_so_far, strict=True)
+        ]
         bytes_t[name] = {
             "skippy_l3_per_phase": sk_phases,
             "ram_cache_so_far_per_phase": ram_so_far,

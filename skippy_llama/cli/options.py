@@ -61,6 +61,19 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="free space kept on the filesystem; below it L3 turns read-only (default 16GiB)",
     )
+    group.add_argument(
+        "--l3-compression",
+        choices=("zstd", "none"),
+        default=None,
+        help="how L3 stores pages: zstd (lossless, the default) or none",
+    )
+    group.add_argument(
+        "--repair-generated",
+        choices=("auto", "always", "never"),
+        default=None,
+        help="re-decode replies as a batch for the next turn: auto (chat completions, the "
+        "default), always, never",
+    )
 
 
 # (argparse dest, nested settings path)
@@ -72,6 +85,8 @@ _FLAG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("l3_budget", ("l3", "budget")),
     ("l3_dir", ("l3", "directory")),
     ("l3_minimum_free", ("l3", "minimum_free")),
+    ("l3_compression", ("l3", "compression")),
+    ("repair_generated", ("l1", "repair_generated")),
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
 import pytest
 from modelhelpers import TEXT, CountingLlama
 
@@ -69,6 +70,44 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     assert skippy_prefill <= 0.4 * plain_prefill, (skippy_prefill, plain_prefill)
     # every later turn of a conversation is served from a resident prefix
     assert all(e.tier == "l1" and e.cached_tokens > 0 for e in events[4:])
+    # chat replies are repaired by default (l1.repair_generated "auto"): the next turn extends them
+    assert all(e.repaired_tokens > 0 for e in events)
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_continued_completion_matches_plain_llama_with_or_without_repair(
+    smollm2_path: Path, mode: str
+) -> None:
+    prompt = TEXT + "Question: what did the keeper count every evening?\nAnswer:"
+    skippy = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=2048,
+        verbose=False,
+        cache_settings=Settings(l1={"repair_generated": mode}),
+    )
+    try:
+        reply = skippy.create_completion(prompt, max_tokens=12, temperature=0.0)
+        first = skippy.last_cache_event
+        follow = prompt + reply["choices"][0]["text"] + "\nQuestion: and then?\nAnswer:"
+        got = skippy.create_completion(follow, max_tokens=12, temperature=0.0)
+        second = skippy.last_cache_event
+        n_prompt = len(skippy.tokenize(prompt.encode()))
+    finally:
+        skippy.close()
+    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        want = plain.create_completion(follow, max_tokens=12, temperature=0.0)
+    finally:
+        plain.close()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert first is not None and second is not None and second.tier == "l1"
+    if mode == "auto":
+        # a raw completion's reply is not repaired: it is decoded again within the next prefill
+        assert first.repaired_tokens == 0
+        assert n_prompt - 1 <= second.cached_tokens <= n_prompt
+    else:
+        assert first.repaired_tokens > 0
+        assert second.cached_tokens > n_prompt
 
 
 def test_completion_reports_cached_tokens_and_event(smollm2_path: Path) -> None:

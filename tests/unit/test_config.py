@@ -33,7 +33,23 @@ REJECTIONS = [
     ({"l3": {"mode": "fixed"}}, "l3.budget", "'fixed' needs l3.budget"),
     ({"l3": {"minimum_free": "512MiB"}}, "l3.minimum_free", "below the 1GiB floor"),
     ({"l3": {"mode": "sometimes"}}, "l3.mode", "sometimes"),
+    ({"l3": {"compression": "lz4"}}, "l3.compression", "lz4"),
+    ({"l1": {"repair_generated": "sometimes"}}, "l1.repair_generated", "sometimes"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [("auto", "auto"), ("always", "always"), ("never", "never"), (True, "always"),
+     (False, "never"), ("true", "always"), ("False", "never")],
+)  # fmt: skip
+def test_repair_generated_takes_modes_and_booleans(value: object, mode: str) -> None:
+    assert load_settings({"l1": {"repair_generated": value}}).settings.l1.repair_generated == mode
+
+
+def test_defaults_repair_chat_replies_and_compress_pages() -> None:
+    settings = load_settings().settings
+    assert settings.l1.repair_generated == "auto" and settings.l3.compression == "zstd"
 
 
 @pytest.mark.parametrize(("overrides", "field", "fragment"), REJECTIONS)
@@ -128,11 +144,17 @@ def test_settings_flags_only_given_flags_are_cli(
             "1GiB",
             "--page-tokens",
             "32",
+            "--l3-compression",
+            "none",
+            "--repair-generated",
+            "never",
         ]
     )
     loaded = settings_from_args(args)
     s = loaded.settings
     assert (s.l3.mode, s.l3.directory, s.l2.budget, s.page_tokens) == ("fixed", tmp_path, GiB, 32)
+    assert (s.l3.compression, s.l1.repair_generated) == ("none", "never")
+    assert loaded.sources["l3.compression"] == loaded.sources["l1.repair_generated"] == "cli"
     assert loaded.sources["l3.mode"] == "cli" and loaded.sources["l3.directory"] == "cli"
     assert loaded.sources["l3.budget"] == "env" and s.l3.budget == 8 * GiB
     assert loaded.sources["l3.minimum_free"] == "default"

@@ -179,6 +179,21 @@ def test_slice_state_matches_content() -> None:
             slice_state(state, start, end)
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_head_of_a_stored_page_assembles_like_the_shorter_state(spec: Spec) -> None:
+    content = make_content(spec, 20, seed=6)
+    state = parse_state(build_state(content).data, ext_bytes=spec.ext_bytes)
+    first, second = cut_pages(state, 8)[:2]
+    stored = page_from_bytes(second.to_bytes())
+    for n in (1, 5, 8):
+        blob = assemble([first, stored.head(n)], state.layout)
+        assert bytes(blob) == build_state(content, 8 + n).data
+    assert stored.head(8) is stored
+    for n in (0, 9):
+        with pytest.raises(StateFormatError, match="cannot take"):
+            stored.head(n)
+
+
 def test_cut_pages_limit_and_bad_page_size() -> None:
     spec = Spec(n_layer=1)
     content = make_content(spec, 20)
