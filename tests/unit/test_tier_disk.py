@@ -239,6 +239,23 @@ def test_child_index_lists_every_page_with_its_tokens(open_tier: Any) -> None:
     assert tier.children(parent) == []
 
 
+def test_reconciliation_fixes_damaged_and_stale_child_index_entries(open_tier: Any) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b"], tail_tokens=10)
+    record_now(tier, rec)
+    a, b = rec.pages
+    tier._cache.set(b"\x05" + a.key, b"\x01\x02\x03")  # garbage where a's children are listed
+    assert tier.children(a.key) == []  # a damaged index answers nothing, never raises
+    stale = disk_mod._kid_pack([(a.key, a.tokens), (b"\x0b" * 16, label_tokens("gone", 4))])
+    tier._cache.set(b"\x05" + ROOT, stale)  # one live entry, one for a page that is not stored
+    tier.close()
+    again = open_tier()
+    assert again.reconciliation.index_fixed == 2
+    assert again.children(ROOT) == [(a.key, a.tokens)]
+    assert again.children(a.key) == []
+    assert again.read(keys_of(rec)) == [a.payload, b.payload]  # the pages themselves still serve
+
+
 def test_a_record_reusing_part_of_a_stored_page_stores_only_its_new_page(open_tier: Any) -> None:
     tier = open_tier()
     first = chain(["a", "b"])
