@@ -600,7 +600,7 @@ class DiskTier:
         self._count("misses")
 
     def read(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Payloads of the longest prefix of ``keys`` that exists and verifies.
+        """Page bytes (decoded) of the longest prefix of ``keys`` that exists and verifies.
 
         A missing, truncated, corrupt or unreadable page ends the prefix: corrupt and truncated
         pages are quarantined, missing ones repaired (the manifests that listed them are cut back
