@@ -149,13 +149,14 @@ class PrefixCache:
             return LookupResult("cold", 0)
         return LookupResult("l1", hit.n_tokens, seq_id=hit.seq_id)
 
-    def _walk(self, tokens: Tokens, limit: int) -> _Path:
+    def _walk(self, tokens: Tokens, limit: int, *, queued: bool = False) -> _Path:
         """The longest path of stored pages (L2/L3 metadata, no payloads) matching ``tokens``.
 
         Each step first tries the page a record would have cut at this position (one key test);
         otherwise it compares the prompt with the tokens of the pages stored after this node and
         takes the longest match, possibly a prefix of a page: a prompt that branches off inside a
         page still reuses the tokens before the branch, and continues below that branch point.
+        ``queued`` also walks pages still waiting for the L3 writer (for planning records).
         """
         assert self.disk is not None
         p = self.page_tokens
@@ -165,13 +166,15 @@ class PrefixCache:
             n = p - pos % p
             if pos + n <= limit:
                 key = chain_key(parent, tokens[pos : pos + n])
-                if (self.ram is not None and key in self.ram) or self.disk.contains(key):
+                if (self.ram is not None and key in self.ram) or self.disk.contains(
+                    key, queued=queued
+                ):
                     steps.append(_Step(key, parent, n, n))
                     parent, pos = key, pos + n
                     continue
             best: _Step | None = None
             rest = tokens[pos:limit]
-            for key, raw in self.disk.children(parent):
+            for key, raw in self.disk.children(parent, queued=queued):
                 child = np.frombuffer(raw, dtype="<i4")
                 m = common_prefix(child, rest)
                 if m > 0 and (best is None or m > best.used):
@@ -235,7 +238,8 @@ class PrefixCache:
         """
         if self.disk is None or not self.disk.serving or point <= 0:
             return None
-        path = self._walk(tokens, point)
+        # queued pages count: the previous request's record may still wait for the writer
+        path = self._walk(tokens, point, queued=True)
         if path.n_tokens >= point:
             self.counters.records_skipped += 1
             return None

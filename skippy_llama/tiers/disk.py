@@ -268,6 +268,9 @@ class DiskTier:
         # None is the stop signal (close() wakes the writer instead of waiting for its poll).
         self._queue: queue.Queue[PrefixRecord | None] = queue.Queue(maxsize=settings.writer_queue)
         self._queued_bytes = 0
+        # new pages of queued records (key -> records holding it) and their child index
+        self._queued_pages: Counter[bytes] = Counter()
+        self._queued_kids: dict[bytes, dict[bytes, bytes]] = {}
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -549,19 +552,26 @@ class DiskTier:
         """True when reads are served (active, read-only low space, or transient storage errors)."""
         return self._cache is not None and self._mode in _SERVING
 
-    def contains(self, key: bytes) -> bool:
-        """True when the store has page ``key`` (metadata only; read() still verifies it)."""
+    def contains(self, key: bytes, *, queued: bool = False) -> bool:
+        """True when the store has page ``key`` (metadata only; read() still verifies it).
+
+        With ``queued``, pages of records waiting for the writer count too: a record planned
+        right after another can reuse its pages instead of writing the shared tokens again.
+        """
         if not self.serving:
             return False
+        if queued and key in self._queued_pages:
+            return True
         try:
             return bool((_META + key) in self._cache)
         except Exception as exc:
             self._fault(exc, "contains")
             return False
 
-    def children(self, parent: bytes) -> list[tuple[bytes, bytes]]:
+    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
         """Pages stored after node ``parent``: ``(page key, tokens as int32 bytes)``.
 
+        With ``queued``, also the pages of records waiting for the writer (see :meth:`contains`).
         A damaged index answers nothing (reconciliation rewrites it); never raises.
         """
         if not self.serving:
@@ -570,8 +580,14 @@ class DiskTier:
             raw = self._cache.get(_KIDS + parent)
         except Exception as exc:
             self._fault(exc, "children")
-            return []
-        return (_kid_entries(raw) or []) if raw else []
+            raw = None
+        out = (_kid_entries(raw) or []) if raw else []
+        if queued:
+            with self._lock:
+                waiting = list(self._queued_kids.get(parent, {}).items())
+            known = {key for key, _ in out}
+            out += [(key, tokens) for key, tokens in waiting if key not in known]
+        return out
 
     def digest(self, key: bytes) -> bytes | None:
         """The stored digest of page ``key`` (metadata only), or None if the store lacks it."""
@@ -696,6 +712,10 @@ class DiskTier:
                 self._unflushed["dropped_queue_full"] += 1
                 return False
             self._queued_bytes += size
+            for page in rec.pages:
+                if page.payload is not None:
+                    self._queued_pages[page.key] += 1
+                    self._queued_kids.setdefault(page.parent, {})[page.key] = page.tokens
         self._ensure_writer()
         return True
 
@@ -728,9 +748,22 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._queued_bytes -= rec.payload_bytes
+                    self._unqueue_pages(rec)
                 self._queue.task_done()
             if time.monotonic() - self._last_maintain >= MAINTAIN_EVERY_S:
                 self._maintain()
+
+    def _unqueue_pages(self, rec: PrefixRecord) -> None:
+        for page in rec.pages:
+            if page.payload is None:
+                continue
+            self._queued_pages[page.key] -= 1
+            if self._queued_pages[page.key] <= 0:
+                del self._queued_pages[page.key]
+                kids = self._queued_kids.get(page.parent, {})
+                kids.pop(page.key, None)
+                if not kids:
+                    self._queued_kids.pop(page.parent, None)
 
     def _write(self, rec: PrefixRecord) -> None:
         """Write one record: new payloads once by content (``add``), then metadata, child index

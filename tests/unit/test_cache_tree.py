@@ -120,3 +120,23 @@ def test_a_stored_prefix_is_not_planned_again(cache: PrefixCache) -> None:
     assert cache.plan_record(a, 256) is None
     assert cache.plan_record(a, 200) is None
     assert cache.counters.records_skipped == 2
+
+
+def test_a_record_planned_while_the_previous_one_is_queued_reuses_its_pages(
+    cache: PrefixCache,
+) -> None:
+    disk = cache.disk
+    assert disk is not None
+    a = prompt(300, 300, seed=1)
+    b = prompt(280, 320, seed=2)
+    with disk._store_lock:  # the writer cannot commit A (nor forget it) until this is released
+        plan_a = cache.plan_record(a, len(a))
+        assert plan_a is not None and cache.record(plan_a, STATE, a)
+        plan_b = cache.plan_record(b, len(b))
+        assert plan_b is not None
+        assert [s.used for s in plan_b.reused] == [128, 128, 24]  # A's pages, still queued
+        assert [(start, end) for _, _, start, end in plan_b.new] == [(280, 320)]
+        assert cache.record(plan_b, STATE, b)
+    assert disk.flush(10)
+    assert stored_pages(cache) == 4 and disk.status().process_activity.dropped_writes == 0
+    assert served(cache, b, 318) == (318, (128, 128, 24, 38))
