@@ -18,9 +18,6 @@ import blosc
 from ..config import Compression
 from ..errors import StateFormatError, UnknownCodecError
 
-Codec = Compression
-CODECS: tuple[Codec, ...] = ("zstd", "none")
-
 _ZSTD_MAGIC = b"SKZ1"
 _RAW_MAGIC = b"SKPG"  # skippy's page magic (state/pages.py): a page stored as it is
 #: zstd through blosc at level 5: the ratio of higher levels at about 1 GB/s (measured).
@@ -34,7 +31,7 @@ blosc.set_releasegil(True)
 blosc.set_nthreads(1)
 
 
-def encode(payload: bytes, codec: Codec) -> bytes:
+def encode(payload: bytes, codec: Compression) -> bytes:
     """The bytes to store for page ``payload`` with ``codec``."""
     if codec == "none":
         return payload
@@ -57,9 +54,7 @@ def decode(stored: bytes) -> bytes:
     if magic != _ZSTD_MAGIC:
         raise UnknownCodecError(f"stored page has unknown codec magic {bytes(magic)!r}")
     try:
-        out = blosc.decompress(memoryview(stored)[4:])
+        out: bytes = blosc.decompress(memoryview(stored)[4:])
     except Exception as exc:  # blosc raises RuntimeError/ValueError/TypeError on a bad frame
         raise StateFormatError(f"compressed page does not decode: {exc}") from exc
-    if not isinstance(out, bytes):  # pragma: no cover - blosc returns bytes for bytes input
-        out = bytes(out)
     return out
