@@ -102,6 +102,11 @@ FREE_SPACE_TTL_S = 1.0
 SQLITE_TIMEOUT_S = 5.0
 #: Records waiting for the writer may hold at most this many payload bytes in RAM.
 MAX_QUEUED_BYTES = 1 * GiB
+#: Child-index entries kept per node, newest first out of the index: a lookup step reads and a
+#: new page rewrites one node's index, so it stays bounded however many prompts branch at one
+#: point (thousands of questions over one document). A page dropped from the index stays
+#: stored: a whole aligned page is still found by its key, only a match inside it is lost.
+MAX_CHILDREN = 256
 #: Hits before a manifest leaves probation (a hit is a read() that served its pages).
 PROTECT_AFTER_HITS = 2
 
@@ -913,7 +918,7 @@ class DiskTier:
         entries = _kid_entries(raw) or []  # a damaged index is rebuilt from what is added
         if all(k != key for k, _ in entries):
             entries.append((key, tokens))
-            self._cache.set(_KIDS + parent, _kid_pack(entries))
+            self._cache.set(_KIDS + parent, _kid_pack(entries[-MAX_CHILDREN:]))
 
     def _kid_remove(self, parent: bytes, key: bytes) -> None:
         raw = self._cache.get(_KIDS + parent)

@@ -239,6 +239,20 @@ def test_child_index_lists_every_page_with_its_tokens(open_tier: Any) -> None:
     assert tier.children(parent) == []
 
 
+def test_a_nodes_child_index_keeps_its_newest_entries(
+    open_tier: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(disk_mod, "MAX_CHILDREN", 3)
+    tier = open_tier()
+    recs = [chain(["doc", f"q{i}"], tail_tokens=20) for i in range(5)]
+    for rec in recs:
+        record_now(tier, rec)
+    parent = recs[0].pages[0].key
+    assert [key for key, _ in tier.children(parent)] == [r.pages[1].key for r in recs[2:]]
+    # the pages left out of the index are still stored and served by key
+    assert tier.read(keys_of(recs[0])) == [p.payload for p in recs[0].pages]
+
+
 def test_reconciliation_fixes_damaged_and_stale_child_index_entries(open_tier: Any) -> None:
     tier = open_tier()
     rec = chain(["a", "b"], tail_tokens=10)
