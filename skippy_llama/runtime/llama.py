@@ -3,7 +3,8 @@
 The context is re-created with one KV stream per sequence: sequence 0 is the working sequence
 ``llama_cpp.Llama`` always uses, and sequences 1..N hold resident prefixes (L1). Before a prompt
 is prefilled, the longest cached prefix (L1, else L2/L3 pages) is put into sequence 0 and only
-the suffix is decoded; after a request, the evaluated sequence is parked and recorded.
+the suffix is decoded; after a request, the part of the sequence that was decoded in batches
+(as a cold prefill would have) is parked and recorded: a lone generated token is never reused.
 """
 
 from __future__ import annotations
