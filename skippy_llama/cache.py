@@ -194,11 +194,19 @@ class PrefixCache:
                 self.disk.note_miss()
             return None
         keys = [step.key for step in path.steps]
+        digests: dict[bytes, bytes | None] = {}
+
+        def digest(key: bytes) -> bytes | None:
+            assert self.disk is not None
+            if key not in digests:
+                digests[key] = self.disk.digest(key)
+            return digests[key]
+
         payloads: list[bytes] = []
         from_ram = 0
         if self.ram is not None:
             for key in keys:
-                page = self.ram.get(key, self.disk.digest(key))
+                page = self.ram.get(key, digest(key))
                 if page is None:
                     break
                 payloads.append(page)
@@ -218,9 +226,9 @@ class PrefixCache:
             return LookupResult("cold", 0, fallbacks=notes) if notes else None
         if self.ram is not None:
             for key, page in zip(keys[from_ram : len(payloads)], payloads[from_ram:], strict=True):
-                digest = self.disk.digest(key)
-                if digest is not None:
-                    self.ram.offer(key, page, digest, prefix_tokens=n_tokens)
+                stored = digest(key)
+                if stored is not None:
+                    self.ram.offer(key, page, stored, prefix_tokens=n_tokens)
         tier: Tier = "l2" if from_ram == len(payloads) else "l3"
         return LookupResult(tier, n_tokens, payloads=tuple(payloads), uses=uses, fallbacks=notes)
 
