@@ -18,7 +18,7 @@ import numpy.typing as npt
 from .admission import AdmissionPolicy
 from .events import Tier
 from .identity import CacheIdentity, chain_key, token_bytes
-from .state import SequenceState, slice_state
+from .state import SequenceState, slice_state, sort_by_position
 from .tiers.disk import DiskTier
 from .tiers.ram import RamTier
 from .tiers.records import PageBlob, PrefixRecord
@@ -194,12 +194,12 @@ class PrefixCache:
                 self.disk.note_miss()
             return None
         keys = [step.key for step in path.steps]
+        disk = self.disk
         digests: dict[bytes, bytes | None] = {}
 
         def digest(key: bytes) -> bytes | None:
-            assert self.disk is not None
             if key not in digests:
-                digests[key] = self.disk.digest(key)
+                digests[key] = disk.digest(key)
             return digests[key]
 
         payloads: list[bytes] = []
@@ -269,6 +269,7 @@ class PrefixCache:
             PageBlob(step.key, step.parent, step.n_tokens, b"", None, step.used)
             for step in plan.reused
         ]
+        state = sort_by_position(state)  # once, not once per page
         for key, parent, start, end in plan.new:
             payload = slice_state(state, start, end).to_bytes()
             pages.append(

@@ -13,6 +13,7 @@ from .pages import (
     cut_pages,
     page_from_bytes,
     slice_state,
+    sort_by_position,
 )
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "page_from_bytes",
     "parse_state",
     "slice_state",
+    "sort_by_position",
     "type_name",
 ]

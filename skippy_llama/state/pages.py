@@ -142,7 +142,8 @@ def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:
     return Page(start, n_tokens, layout, ext, k, v)
 
 
-def _sorted(state: SequenceState) -> SequenceState:
+def sort_by_position(state: SequenceState) -> SequenceState:
+    """``state`` with its cells in position order (itself when they already are)."""
     order = state.order()
     if order is None:
         return state
@@ -169,7 +170,7 @@ def slice_state(state: SequenceState, start: int, end: int) -> Page:
     Raises:
         StateFormatError: positions are not contiguous from 0, or the range is out of bounds.
     """
-    state = _sorted(state)
+    state = sort_by_position(state)
     if not 0 <= start < end <= state.n_tokens:
         raise StateFormatError(
             f"range [{start}, {end}) outside the state's {state.n_tokens} tokens"
@@ -193,7 +194,7 @@ def cut_pages(
     """
     if page_tokens <= 0:
         raise ValueError(f"page_tokens must be positive, got {page_tokens}")
-    state = _sorted(state)
+    state = sort_by_position(state)
     n = state.n_tokens if limit is None else min(limit, state.n_tokens)
     bounds = list(range(0, n, page_tokens))
     pages = []
