@@ -1,0 +1,65 @@
+"""The seam between L3's store and its admission/eviction policies (pure, no diskcache).
+
+The store (and the trace replay simulator) describe each page with a :class:`PageStats` and ask a
+:class:`Policy` two questions: should a new page be admitted, and in which order should pages be
+evicted. Policies keep no reference to the store, so the same object drives the live store and
+the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """What a policy may know about one stored (or candidate) page.
+
+    ``sharers`` counts the stored prefixes whose path runs through the page, so a policy can
+    charge shared pages fractionally; ``prefill_s`` / ``restore_s`` are the measured costs of
+    prefilling the page's tokens cold and of restoring them (0.0 while unmeasured).
+    """
+
+    key: bytes
+    size: int
+    n_tokens: int
+    created: float
+    last_used: float
+    hits: int = 0
+    sharers: int = 1
+    prefill_s: float = 0.0
+    restore_s: float = 0.0
+
+
+class Policy(Protocol):
+    """Admission and eviction order for L3 pages."""
+
+    name: str
+
+    def admit(self, page: PageStats, now: float) -> bool:
+        """Whether a new page is written at all."""
+        ...
+
+    def priority(self, page: PageStats, now: float) -> float:
+        """Eviction order: pages with the lowest priority are evicted first."""
+        ...
+
+    def evicted(self, page: PageStats, now: float) -> None:
+        """Told after ``page`` left the store (for ghost lists and aging)."""
+        ...
+
+
+class LruPolicy:
+    """Admit everything, evict by last use (the reference every other policy must beat)."""
+
+    name = "lru"
+
+    def admit(self, page: PageStats, now: float) -> bool:
+        return True
+
+    def priority(self, page: PageStats, now: float) -> float:
+        return page.last_used
+
+    def evicted(self, page: PageStats, now: float) -> None:
+        return None
