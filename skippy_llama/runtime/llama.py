@@ -1,17 +1,23 @@
 """``SkippyLlama``: a drop-in ``llama_cpp.Llama`` whose prompts reuse cached KV prefixes.
 
-The context is re-created with one KV stream per sequence: sequence 0 is the working sequence
-``llama_cpp.Llama`` always uses, and sequences 1..N hold resident prefixes (L1). Before a prompt
-is prefilled, the longest cached prefix (L1, else L2/L3 pages) is put into sequence 0 and only
-the suffix is decoded; after a request, the part of the sequence that was decoded in batches
-(as a cold prefill would have) is parked and recorded: a lone generated token is never reused.
+The context has the n_ctx cells plain ``llama_cpp.Llama`` builds, in one unified KV cache, and
+sequence 0 is the working sequence it always uses, alone in cells ``[0, n)`` as in a cold run.
+Resident prefixes (L1) are llama.cpp *device checkpoints* kept under sequence ids 1..N: copies of
+a sequence's K/V tensors held by the context (VRAM on GPU builds), sized to the prefix, so the
+KV memory is at most the context plus the resident budget. Before a prompt is prefilled, the
+longest cached prefix (the live sequence, a checkpoint, else L2/L3 pages) is put into sequence 0
+and only the suffix is decoded. Only the part of the sequence decoded in batches (as a cold
+prefill would have) is reused or recorded: a lone generated token never is.
+
+Nothing is done per turn that a linear chat does not need: the live sequence is checkpointed
+only when a prompt is about to leave it, and an L3 record captures only the tokens L3 lacks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import inspect
 import logging
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -24,7 +30,7 @@ import numpy as np
 from ..admission import AdmissionPolicy
 from ..cache import LookupResult, PrefixCache
 from ..config import Settings, load_settings
-from ..errors import SkippyError, StateFormatError
+from ..errors import StateFormatError, TierError
 from ..events import CacheEvent
 from ..identity import CacheIdentity, ModelIdentity, file_digest, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
@@ -43,6 +49,29 @@ WORKING_SEQ = 0
 #: kernels than a batch, and its logits then differ from a cold prefill's (measured: up to 0.66
 #: on SmolLM2); two or more tokens decode bit-identically.
 DECODED_SUFFIX = 2
+#: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
+SCRATCH_SEQ = 1
+
+_context_hook = threading.local()
+
+
+class _HookedContext(internals.LlamaContext):  # type: ignore[misc]
+    """``LlamaContext`` that lets ``SkippyLlama`` adjust the parameters of the one it builds.
+
+    ``Llama.__init__`` offers no ``n_seq_max``/``kv_unified``; building its context and then a
+    second one would double load time and peak memory. The adjustment is thread-local and set
+    only inside ``SkippyLlama.__init__``, so every other context is built exactly as before.
+    """
+
+    def __init__(self, *, model: Any, params: Any, verbose: bool = True) -> None:
+        adjust = getattr(_context_hook, "adjust", None)
+        if adjust is not None:
+            adjust(params)
+        super().__init__(model=model, params=params, verbose=verbose)
+
+
+if not issubclass(internals.LlamaContext, _HookedContext):
+    internals.LlamaContext = _HookedContext  # type: ignore[misc]
 
 
 class SkippyLlama(llama_cpp.Llama):
@@ -83,26 +112,47 @@ class SkippyLlama(llama_cpp.Llama):
             if isinstance(kwargs.get(side), str):
                 kwargs[side] = ggml_id
         self._in_generate = False
-        self._chat_request = False  # inside create_chat_completion: the next turn extends the reply
-        self._copy_pending = False
+        self._chat_request = (
+            False  # inside create_chat_completion: a later prompt extends the reply
+        )
+        self._need_rows = False  # prompt logprobs asked for: every prompt row must be computed
         # leading working-sequence tokens whose cells equal a batched (cold) prefill's
         self._exact = 0
-        super().__init__(model_path, **kwargs)
+        # the last request's reply [start, n_tokens) and whether it may be repaired (chat)
+        self._reply_start = 0
+        self._reply_repairable = False
+        self._epoch = 0  # request counter: a stream finalized late must not touch a newer one
+        settings = self.cache_settings
+        slots = settings.l1.max_prefixes if settings.l1.enabled else 0
+        # sequence 1 doubles as the scratch sequence of range captures for L3 records
+        aux = max(slots, 1 if settings.l3.mode != "off" else 0)
+        _context_hook.adjust = self._context_adjuster(1 + aux)
+        try:
+            super().__init__(model_path, **kwargs)
+        finally:
+            _context_hook.adjust = None
         self.cache_disabled_reason: str | None = None
         if self.context_params.embeddings:
             self.cache_disabled_reason = "embedding contexts are not cached"
         elif self._is_recurrent or self._is_hybrid:
             arch = str(self.metadata.get("general.architecture", "unknown"))
             self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
-        settings = self.cache_settings
-        self._n_ctx_user = self._n_ctx
-        slots = settings.l1.max_prefixes if settings.l1.enabled else 0
-        # each resident prefix owns a preallocated KV stream, so by default every slot may fill
-        budget = settings.l1.budget_tokens or self._n_ctx_user * slots
         resident: ResidentIndex | None = None
+        self.l1_budget_tokens = 0
         if self.cache_disabled_reason is None and slots > 0:
-            self._recreate_context(n_seq_max=1 + slots)
-            resident = ResidentIndex(range(1, slots + 1), budget, settings.page_tokens)
+            # checkpoints hold their own cells: the default budget of n_ctx tokens keeps the KV
+            # memory at most twice what plain Llama takes
+            self.l1_budget_tokens = settings.l1.budget_tokens or self.n_ctx()
+            resident = ResidentIndex(
+                range(1, slots + 1), self.l1_budget_tokens, settings.page_tokens
+            )
+            log.info(
+                "skippy-llama: L1 keeps up to %d resident prefixes, %d tokens in all "
+                "(KV memory at most %.1fx plain Llama's)",
+                slots,
+                self.l1_budget_tokens,
+                1 + self.l1_budget_tokens / self.n_ctx(),
+            )
         elif self.cache_disabled_reason is not None:
             log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
         self.kv_layout = self._probe_layout() if self.cache_disabled_reason is None else None
@@ -116,6 +166,18 @@ class SkippyLlama(llama_cpp.Llama):
             disk=disk,
             admission=admission,
         )
+
+    @staticmethod
+    def _context_adjuster(n_seq_max: int) -> Any:
+        def adjust(params: Any) -> None:
+            # embedding contexts keep llama-cpp-python's own multi-sequence setup
+            if not params.embeddings and n_seq_max > 1:
+                params.n_seq_max = n_seq_max
+                # one unified cache: the working sequence sits in cells [0, n) as in plain
+                # Llama, and sharing cells with a scratch sequence copies nothing
+                params.kv_unified = True
+
+        return adjust
 
     def _open_tiers(self) -> tuple[DiskTier | None, RamTier | None, AdmissionPolicy | None]:
         """Open L3 (and L2 on top of it) when configured; fail open to L1 only."""
@@ -166,37 +228,11 @@ class SkippyLlama(llama_cpp.Llama):
 
     # -- context and identity -------------------------------------------------------------
 
-    def _recreate_context(self, *, n_seq_max: int) -> None:
-        # Llama.__init__ offers no n_seq_max, so the context it made is replaced by one with a
-        # KV stream per sequence. Streams, not one unified cache: attention sums over cells in
-        # cell order, so a prefix is only bit-exact when the working sequence sits in cells
-        # [0, n) exactly as in a cold run; a cross-stream copy keeps every cell index.
-        params = llama_cpp.llama_context_params.from_buffer_copy(self.context_params)
-        params.n_ctx = self._n_ctx_user * n_seq_max
-        params.n_seq_max = n_seq_max
-        params.kv_unified = False
-        self._ctx.close()  # type: ignore[no-untyped-call]
-        self._ctx = self._stack.enter_context(
-            contextlib.closing(
-                internals.LlamaContext(model=self._model, params=params, verbose=self.verbose)
-            )
-        )
-        if self._lora_adapter is not None:
-            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)  # type: ignore[misc]
-            scales = (ctypes.c_float * 1)(self.lora_scale)
-            llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales)
-        self.n_tokens = 0
-
-    def _scratch_decode(self) -> None:
-        """Decode one token into an emptied working sequence (the caller drops it again)."""
-        native.seq_rm(self.ctx, WORKING_SEQ)
-        self.n_tokens = 0
-        self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
-
     def _probe_layout(self) -> KVLayout | None:
         """Decode one token into the working sequence to read the live KV layout, then drop it."""
         try:
-            self._scratch_decode()
+            native.seq_rm(self.ctx, WORKING_SEQ)
+            self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
             return parse_state(native.get_seq_state(self.ctx, WORKING_SEQ)).layout
         except Exception as exc:  # fail-open: without a layout only L1 is used
             log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
@@ -241,14 +277,12 @@ class SkippyLlama(llama_cpp.Llama):
                 float(p.rope_scaling_type),
             ),
             n_swa=int(llama_cpp.llama_model_n_swa(model)),
-            kv_unified=False,
+            kv_unified=bool(self.context_params.kv_unified),
             backend="any" if self.cache_settings.cross_backend else native.backend_name(),
             namespace=self.cache_settings.namespace,
         )
 
-    def n_ctx(self) -> int:
-        """The context window the caller asked for (spare resident cells are not counted)."""
-        return getattr(self, "_n_ctx_user", None) or super().n_ctx()
+    # -- the cached paths -----------------------------------------------------------------
 
     @property
     def caching(self) -> bool:
@@ -256,32 +290,92 @@ class SkippyLlama(llama_cpp.Llama):
 
     # -- the cached paths -----------------------------------------------------------------
 
+    def _live_exact(self) -> int:
+        """Leading tokens of the working sequence whose cells are exact and still present.
+
+        Whole-context calls made behind the cache's back (``_ctx.kv_cache_clear()`` in
+        llama-cpp-python's multimodal handlers, ``llama_memory_seq_rm``) remove cells without
+        telling it; the cells actually present bound what may be reused.
+        """
+        exact = min(self._exact, self.n_tokens)
+        if exact > 0:
+            exact = min(exact, native.seq_pos_max(self.ctx, WORKING_SEQ) + 1)
+        return max(exact, 0)
+
+    def _guard(self, step: str, event: CacheEvent | None, work: Any) -> bool:
+        """Run one cache step; any exception becomes a counted fallback (fail-open).
+
+        Not only :class:`SkippyError`: a ``ValueError`` from a damaged page or a ``MemoryError``
+        from a huge state must never fail a request the model itself can serve.
+        """
+        try:
+            work()
+            return True
+        except Exception as exc:
+            self.prefix_cache.fallback(f"{step}: {type(exc).__name__}")
+            if event is not None:
+                event.fallbacks.append(f"{step}: {exc}")
+            log.warning("skippy-llama: %s failed (%s); continuing without it", step, exc)
+            return False
+
+    def _drop_working(self) -> None:
+        """Forget the working sequence: the next decode starts a cold prefill."""
+        native.seq_rm(self.ctx, WORKING_SEQ)
+        self.n_tokens = self._exact = 0
+
     def _restore(self, tokens: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
         """Put the longest cached prefix of ``tokens`` into the working sequence."""
         limit = max(len(tokens) - DECODED_SUFFIX, 0)
-        exact = self._exact_tokens()
+        exact = self._live_exact()
         live = common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit])
+        if live < exact:
+            # the prompt leaves the live sequence: keep it resident before it is overwritten
+            self._guard("park", event, lambda: self._displace(exact, event))
         # Llama.generate would reuse the live sequence up to the last token, generated tokens
         # included; only the exact part may be reused
-        self.n_tokens = min(exact, limit)
+        self.n_tokens = live
+        self._exact = live
+        if self._need_rows:
+            return  # prompt logprobs need a computed row for every prompt token
         found = self.prefix_cache.lookup(tokens, limit, live)
         event.lookup_ms = found.lookup_s * 1e3
         event.fallbacks.extend(found.fallbacks)
         started = time.perf_counter()
-        if found.payloads and not self._load_pages(found, tokens, event):
+        if found.payloads and not self._guard(
+            found.tier, event, lambda: self._load_pages(found, tokens, event)
+        ):
             # fail open: the working sequence was cleared, so take what L1 alone offers
+            self._drop_working()
             found = self.prefix_cache.lookup_resident(tokens, limit)
         if found.tier == "l1" and found.seq_id is not None:
-            self._copy_resident(found, tokens)
+            hit, slot = found, found.seq_id
+            if not self._guard("l1", event, lambda: self._copy_resident(hit, tokens)):
+                self._drop_working()
+                self._forget_resident(slot)
+                found = LookupResult("cold", 0)
         event.restore_ms = (time.perf_counter() - started) * 1e3
-        event.tier = found.tier
-        event.cached_tokens = found.n_tokens
+        event.tier = found.tier if self.n_tokens > 0 else "cold"
+        event.cached_tokens = self.n_tokens
+
+    def _displace(self, exact: int, event: CacheEvent) -> None:
+        """Checkpoint the live sequence's exact part; a chat reply after it is repaired first.
+
+        Done only when a prompt leaves the live sequence, never after each reply: a linear chat,
+        whose next prompt extends the reply, decodes the reply inside its next prefill (one
+        batch, as a cold prefill would) and pays nothing here.
+        """
+        mode = self.cache_settings.l1.repair_generated
+        repair = mode == "always" or (mode == "auto" and self._reply_repairable)
+        if repair and exact == self._reply_start and self.n_tokens > exact:
+            event.repaired_tokens = self._repair()
+            exact = self._exact
+        self._park(exact)
 
     def _exact_tokens(self) -> int:
         return min(self._exact, self.n_tokens)
 
     def _decode(self, tokens: Sequence[int]) -> None:
-        """``Llama.eval`` without the cache: every decode also applies queued stream copies.
+        """``Llama.eval`` without the cache, tracking which cells are exact.
 
         A batch of two or more tokens right after the exact part extends it; a lone token (a
         generated one) takes other kernels, so the exact part stops before it.
@@ -289,68 +383,50 @@ class SkippyLlama(llama_cpp.Llama):
         before = self.n_tokens
         exact = self._exact_tokens()
         super().eval(tokens)
-        self._copy_pending = False
         self._exact = self.n_tokens if len(tokens) >= 2 and exact == before else exact
-
-    def _apply_pending_copies(self) -> None:
-        """Make llama.cpp carry out queued stream copies before stream 0 is overwritten.
-
-        A cross-stream ``seq_cp`` only copies buffers at the next decode; writing stream 0 with
-        ``set_data`` before that would let a parked prefix pick up the restored bytes. A one-token
-        decode (dropped again right away) is the public way to run the copy.
-        """
-        if not self._copy_pending:
-            return
-        self._scratch_decode()
-        native.seq_rm(self.ctx, WORKING_SEQ)
-        self.n_tokens = 0
 
     def _load_pages(
         self, found: LookupResult, tokens: np.ndarray[Any, Any], event: CacheEvent
-    ) -> bool:
+    ) -> None:
         """Assemble L2/L3 pages into a blob and restore it into the working sequence."""
         assert self.kv_layout is not None
         started = time.perf_counter()
-        try:
-            pages = [
-                page_from_bytes(p).head(n) for p, n in zip(found.payloads, found.uses, strict=True)
-            ]
-            blob = assemble(pages, self.kv_layout, seq_id=WORKING_SEQ)
-            if sum(p.n_tokens for p in pages) != found.n_tokens:
-                raise StateFormatError("restored pages do not cover the planned prefix")
-            self._apply_pending_copies()
-            ok = native.set_seq_state(self.ctx, blob, WORKING_SEQ)
-        except SkippyError as exc:
-            ok = False
-            event.fallbacks.append(f"{found.tier}: {exc}")
-            self.prefix_cache.fallback(type(exc).__name__)
-        if not ok:
-            native.seq_rm(self.ctx, WORKING_SEQ)
-            self.n_tokens = 0
-            if not event.fallbacks:
-                event.fallbacks.append(f"{found.tier}: llama_state_seq_set_data refused the blob")
-                self.prefix_cache.fallback("set_data_refused")
-            return False
-        self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
-        self.n_tokens = self._exact = found.n_tokens
-        self._requires_eval = True
+        pages = [
+            page_from_bytes(p).head(n) for p, n in zip(found.payloads, found.uses, strict=True)
+        ]
+        if sum(p.n_tokens for p in pages) != found.n_tokens:
+            raise StateFormatError("restored pages do not cover the planned prefix")
+        blob = assemble(pages, self.kv_layout, seq_id=WORKING_SEQ)
+        if not native.set_seq_state(self.ctx, blob, WORKING_SEQ):
+            raise TierError("llama_state_seq_set_data refused the blob")
+        self._adopt(tokens, found.n_tokens)
         event.restored_bytes = len(blob)
         if self.prefix_cache.admission is not None:
             self.prefix_cache.admission.costs.observe_restore(
                 len(blob), time.perf_counter() - started
             )
-        return True
 
-    def _copy_resident(self, found: LookupResult, tokens: np.ndarray[Any, Any]) -> None:
-        assert found.seq_id is not None
-        native.copy_stream(self.ctx, found.seq_id, WORKING_SEQ, keep=found.n_tokens)
-        self._copy_pending = True
-        self.input_ids[: found.n_tokens] = tokens[: found.n_tokens]
-        self.n_tokens = self._exact = found.n_tokens
+    def _adopt(self, tokens: np.ndarray[Any, Any], n: int) -> None:
+        """The working sequence now holds the exact cells of ``tokens[:n]``."""
+        self.input_ids[:n] = tokens[:n]
+        self.n_tokens = self._exact = n
         self._requires_eval = True
 
+    def _copy_resident(self, found: LookupResult, tokens: np.ndarray[Any, Any]) -> None:
+        """Copy a checkpoint into the working sequence and keep its first ``n_tokens`` cells."""
+        resident = self.prefix_cache.resident
+        assert found.seq_id is not None and resident is not None
+        native.restore_checkpoint(self.ctx, resident.entry(found.seq_id).handle, WORKING_SEQ)
+        native.seq_rm(self.ctx, WORKING_SEQ, found.n_tokens, -1)
+        self._adopt(tokens, found.n_tokens)
+
+    def _forget_resident(self, seq_id: int) -> None:
+        resident = self.prefix_cache.resident
+        if resident is not None:
+            resident.remove(seq_id)
+
     def _park(self, n_tokens: int) -> None:
-        """Keep the first ``n_tokens`` of the working sequence resident for later prompts."""
+        """Checkpoint the first ``n_tokens`` of the working sequence for later prompts."""
         resident = self.prefix_cache.resident
         n_tokens = min(n_tokens, self.n_tokens)
         if resident is None or n_tokens == 0:
@@ -360,11 +436,16 @@ class SkippyLlama(llama_cpp.Llama):
         if plan is None:
             self.prefix_cache.counters.park_skipped += 1
             return
-        for seq_id in plan.evict:
-            native.seq_rm(self.ctx, seq_id)
-        native.copy_stream(self.ctx, WORKING_SEQ, plan.seq_id, keep=plan.n_tokens)
-        self._copy_pending = True
-        resident.commit_park(plan, self.prefix_cache.root, tokens)
+        try:
+            for slot in plan.evict:
+                if slot != plan.seq_id:
+                    # a slot keeps its buffers until its next checkpoint: shrink it to one cell
+                    native.checkpoint(self.ctx, WORKING_SEQ, slot, 1)
+            handle = native.checkpoint(self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens)
+        except BaseException:
+            resident.abandon_park(plan)
+            raise
+        resident.commit_park(plan, self.prefix_cache.root, tokens, handle)
         self.prefix_cache.counters.parked += 1
 
     def generate(  # type: ignore[override]
@@ -374,6 +455,8 @@ class SkippyLlama(llama_cpp.Llama):
         reset = kwargs.get("reset", True)
         if not self.caching or not reset or len(tokens) == 0:
             return (yield from super().generate(tokens, *args, **kwargs))
+        self._epoch += 1
+        epoch = self._epoch
         prompt = np.asarray(tokens, dtype=np.int32)
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
@@ -387,19 +470,22 @@ class SkippyLlama(llama_cpp.Llama):
         try:
             yield from on_first_token(super().generate(tokens, *args, **kwargs), first)
         finally:
-            self._in_generate = False
-            event.suffix_tokens = event.prompt_tokens - event.cached_tokens
-            event.repaired_tokens = self._repair(len(prompt))
-            self.last_cache_event = event
-            self._park(self._exact_tokens())
-            self._record(event)
+            # a stream abandoned by its caller is finalized whenever it is collected, maybe in
+            # the middle of a newer request: then it must leave the working sequence alone
+            if epoch == self._epoch:
+                self._in_generate = False
+                event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+                self._reply_start = len(prompt)
+                self._reply_repairable = self._chat_request
+                self.last_cache_event = event
+                self._guard("record", None, lambda: self._record(event))
 
     def _record(self, event: CacheEvent) -> None:
         """Queue the exact part of the working sequence for L3, but its last two tokens.
 
         A repeat of the prompt cannot use those two (see ``DECODED_SUFFIX``). Only what L3 lacks
         is captured and written: the record continues the stored page tree where this prompt
-        leaves it, so a prompt that branched off a stored prefix adds just its own tokens.
+        leaves it, and only the cells of its new pages are serialized.
         """
         cache = self.prefix_cache
         if cache.disk is None or self.kv_layout is None:
@@ -416,14 +502,12 @@ class SkippyLlama(llama_cpp.Llama):
         plan = cache.plan_record(tokens, point)
         if plan is None:
             return
-        try:
-            state = parse_state(native.get_seq_state(self.ctx, WORKING_SEQ))
-            if state.layout.digest() != self.kv_layout.digest():
-                raise StateFormatError("captured state does not match the probed KV layout")
-            cache.record(plan, state, tokens)
-        except SkippyError as exc:  # fail open: the request already succeeded
-            cache.fallback(f"record: {type(exc).__name__}")
-            log.warning("skippy-llama: could not record the prefix for L3: %s", exc)
+        start = plan.new[0][2] if plan.new else point
+        blob = native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, point)
+        state = parse_state(blob, first=start)
+        if state.layout.digest() != self.kv_layout.digest():
+            raise StateFormatError("captured state does not match the probed KV layout")
+        cache.record(plan, state, tokens)
 
     def close(self) -> None:
         """Free the model and context; pending L3 writes are flushed first (bounded wait)."""
@@ -432,22 +516,19 @@ class SkippyLlama(llama_cpp.Llama):
             cache.disk.close()
         super().close()
 
-    def _repair(self, n_prompt: int) -> int:
-        """Re-decode generated tokens as one batch so their cells equal a cold prefill's.
+    def _repair(self) -> int:
+        """Re-decode the last reply as one batch so its cells equal a cold prefill's.
 
         Tokens decoded one at a time take llama.cpp's single-row kernels, whose results differ
-        in the low bits from the batched prefill a cold prompt would get; parking them as they
-        are would make the next turn's output depend on the cache. Returns the tokens re-decoded.
+        in the low bits from the batched prefill a cold prompt would get; keeping them as they
+        are would make a later turn's output depend on the cache. Returns the tokens re-decoded.
         """
-        n_generated = self.n_tokens - n_prompt
-        mode = self.cache_settings.l1.repair_generated
-        if n_generated <= 0 or mode == "never" or (mode == "auto" and not self._chat_request):
-            return 0
-        generated = self.input_ids[n_prompt : self.n_tokens].tolist()
-        native.seq_rm(self.ctx, WORKING_SEQ, n_prompt, -1)
-        self.n_tokens = n_prompt
+        start = self._reply_start
+        generated = self.input_ids[start : self.n_tokens].tolist()
+        native.seq_rm(self.ctx, WORKING_SEQ, start, -1)
+        self.n_tokens = start
         self._decode(generated)
-        return n_generated
+        return len(generated)
 
     def eval(self, tokens: Sequence[int]) -> None:
         """``Llama.eval`` that restores a cached prefix first when called on its own.
@@ -457,6 +538,7 @@ class SkippyLlama(llama_cpp.Llama):
         if self._in_generate or not self.caching or len(tokens) < 2:
             self._decode(tokens)
             return
+        self._epoch += 1
         whole = np.concatenate(
             [self.input_ids[: self.n_tokens].astype(np.int32), np.asarray(tokens, np.int32)]
         )
@@ -468,15 +550,24 @@ class SkippyLlama(llama_cpp.Llama):
             (time.perf_counter() - started) * 1e3 - event.lookup_ms - event.restore_ms
         )
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+        self._reply_start, self._reply_repairable = len(whole), False
         self.last_cache_event = event
-        self._park(self._exact_tokens())
-        self._record(event)
+        self._guard("record", None, lambda: self._record(event))
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""
-        result = super().create_completion(*args, **kwargs)
+        bound = _COMPLETION_SIGNATURE.bind_partial(*args, **kwargs).arguments
+        # with logits_all, prompt logprobs read a computed row per prompt token: a restored
+        # prefix has none, so such requests are prefilled cold
+        self._need_rows = bool(self._logits_all and bound.get("logprobs") is not None)
+        try:
+            result = super().create_completion(*args, **kwargs)
+        except BaseException:
+            self._need_rows = False
+            raise
         if isinstance(result, Iterator):
-            return result
+            return self._completion_stream(result)
+        self._need_rows = False
         event = self.last_cache_event
         usage = cast("dict[str, Any] | None", result.get("usage"))
         if isinstance(usage, dict):
@@ -485,9 +576,15 @@ class SkippyLlama(llama_cpp.Llama):
             }
         return result
 
+    def _completion_stream(self, chunks: Iterator[Any]) -> Iterator[Any]:
+        try:
+            yield from chunks
+        finally:
+            self._need_rows = False
+
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
-        """``Llama.create_chat_completion``; its reply is repaired for the next turn (see
-        ``l1.repair_generated``)."""
+        """``Llama.create_chat_completion``; a reply left for another chat is repaired first
+        (see ``l1.repair_generated``)."""
         self._chat_request = True
         try:
             result = super().create_chat_completion(*args, **kwargs)
@@ -503,9 +600,64 @@ class SkippyLlama(llama_cpp.Llama):
         finally:
             self._chat_request = False
 
+    # -- whole-context calls ----------------------------------------------------------------
+
+    def save_state(self) -> llama_cpp.LlamaState:
+        """``Llama.save_state``; the state also remembers which of its cells are exact.
+
+        Resident prefixes live in checkpoints outside the KV cells, so the state holds the
+        working sequence alone, exactly as plain ``Llama``'s does.
+        """
+        state = super().save_state()
+        state.skippy_exact = self._exact_tokens()  # type: ignore[attr-defined]
+        return state
+
+    def load_state(self, state: llama_cpp.LlamaState) -> None:
+        """``Llama.load_state``; resident prefixes stay valid (they are not in the KV cells).
+
+        Cells of a state saved elsewhere are trusted as exact only when this class saved it.
+        """
+        super().load_state(state)
+        self._exact = min(int(getattr(state, "skippy_exact", 0)), self.n_tokens)
+        self._reply_repairable = False
+
     def clear_cache(self) -> None:
-        """Drop every resident prefix (L1) from the context."""
+        """Drop every resident prefix (L1)."""
         resident = self.prefix_cache.resident
         if resident is not None:
-            for seq_id in resident.clear():
-                native.seq_rm(self.ctx, seq_id)
+            resident.clear()
+
+    def cache_status(self) -> dict[str, Any]:
+        """In-process cache state: L1 memory and counters (what ``kv-cache status`` cannot see)."""
+        resident = self.prefix_cache.resident
+        per_token = self.kv_layout.kv_bytes_per_cell if self.kv_layout is not None else 0
+        counters = self.prefix_cache.counters
+        return {
+            "caching": self.caching,
+            "disabled_reason": self.cache_disabled_reason,
+            "n_ctx": self.n_ctx(),
+            "kv_bytes_per_token": per_token,
+            "context_kv_bytes": per_token * self.n_ctx(),
+            "l1": {
+                "slots": len(resident.entries()) if resident is not None else 0,
+                "max_prefixes": self.cache_settings.l1.max_prefixes if resident else 0,
+                "budget_tokens": self.l1_budget_tokens,
+                "budget_bytes": per_token * self.l1_budget_tokens,
+                "resident_tokens": resident.used_tokens if resident is not None else 0,
+                "resident_bytes": per_token * (resident.used_tokens if resident else 0),
+            },
+            "counters": {
+                "lookups": counters.lookups,
+                "hits": dict(counters.hits),
+                "misses": counters.misses,
+                "fallbacks": dict(counters.fallbacks),
+                "parked": counters.parked,
+                "records": counters.records,
+            },
+        }
+
+
+#: ``create_completion``'s parameters without ``self``, to find ``logprobs`` however it is passed
+_COMPLETION_SIGNATURE = (lambda sig: sig.replace(parameters=list(sig.parameters.values())[1:]))(
+    inspect.signature(llama_cpp.Llama.create_completion)
+)

@@ -31,6 +31,60 @@ def set_seq_state(ctx: Any, blob: bytearray, seq_id: int) -> bool:
     return int(llama_cpp.llama_state_seq_set_data(ctx, arr, len(blob), seq_id)) == len(blob)
 
 
+def _checked_size(n: int, what: str) -> int:
+    if n <= 0:
+        raise TierError(f"{what} returned no state (size {n})")
+    return n
+
+
+def capture_range(ctx: Any, src: int, scratch: int, p0: int, p1: int) -> bytearray:
+    """Serialize only the cells of ``src`` at positions ``[p0, p1)`` (host memory).
+
+    The stock API serializes whole sequences, so the cells are first shared with the empty
+    ``scratch`` sequence (a unified cache shares cells without copying), serialized from there and
+    unshared again: the cost follows ``p1 - p0``, not the context length.
+    """
+    mem = memory(ctx)
+    llama_cpp.llama_memory_seq_cp(mem, src, scratch, p0, p1)
+    try:
+        return get_seq_state(ctx, scratch)
+    finally:
+        llama_cpp.llama_memory_seq_rm(mem, scratch, -1, -1)
+
+
+def checkpoint(ctx: Any, src: int, slot: int, n_tokens: int) -> bytes:
+    """Keep a device copy of the first ``n_tokens`` cells of ``src`` under sequence id ``slot``.
+
+    ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE`` makes llama.cpp copy the K/V tensors into buffers the
+    context holds for ``slot`` (VRAM on GPU builds, host RAM on CPU) and return only the cell
+    metadata, which :func:`restore_checkpoint` needs. A later checkpoint of the same slot
+    replaces the buffers, so only the newest metadata of a slot may ever be restored.
+    """
+    mem = memory(ctx)
+    flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+    llama_cpp.llama_memory_seq_cp(mem, src, slot, 0, n_tokens)
+    try:
+        size = _checked_size(
+            int(llama_cpp.llama_state_seq_get_size_ext(ctx, slot, flags)), "checkpoint size"
+        )
+        buf = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data_ext(ctx, buf, size, slot, flags))
+        if written != size:
+            raise TierError(f"checkpoint of sequence {slot} wrote {written} of {size} bytes")
+        return bytes(buf)
+    finally:
+        llama_cpp.llama_memory_seq_rm(mem, slot, -1, -1)
+
+
+def restore_checkpoint(ctx: Any, meta: bytes, dst: int) -> None:
+    """Copy a checkpoint (see :func:`checkpoint`) into sequence ``dst``, which is cleared first."""
+    buf = (ctypes.c_uint8 * len(meta)).from_buffer_copy(meta)
+    flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+    read = int(llama_cpp.llama_state_seq_set_data_ext(ctx, buf, len(meta), dst, flags))
+    if read != len(meta):
+        raise TierError(f"restoring a checkpoint read {read} of {len(meta)} bytes")
+
+
 def memory(ctx: Any) -> Any:
     mem = llama_cpp.llama_get_memory(ctx)
     if mem is None:
@@ -41,17 +95,6 @@ def memory(ctx: Any) -> Any:
 def seq_cp(ctx: Any, src: int, dst: int, p0: int, p1: int) -> None:
     """Share cells ``[p0, p1)`` of ``src`` with ``dst`` (no data copy in a unified cache)."""
     llama_cpp.llama_memory_seq_cp(memory(ctx), src, dst, p0, p1)
-
-
-def copy_stream(ctx: Any, src: int, dst: int, keep: int) -> None:
-    """Make sequence ``dst`` a copy of the first ``keep`` positions of ``src``.
-
-    Each sequence has its own KV stream, so this copies the whole stream buffer (on the device,
-    at the next decode) and then trims: every cell keeps its index, which keeps attention's
-    summation order, and so the logits, identical to those of a cold prefill.
-    """
-    llama_cpp.llama_memory_seq_cp(memory(ctx), src, dst, -1, -1)
-    llama_cpp.llama_memory_seq_rm(memory(ctx), dst, keep, -1)
 
 
 def seq_rm(ctx: Any, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

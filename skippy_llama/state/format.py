@@ -15,6 +15,7 @@ Parsing never copies the K/V payload: :class:`SequenceState` holds numpy views i
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ class SequenceState:
         ext: per-cell extension bytes, shape (cells, layout.ext_bytes).
         k: per layer, K rows of shape (cells, k_row).
         v: per layer, V rows of shape (cells, v_row), or transposed V of shape (v_embd, cells * elem).
+        first: the position the cells must start at: 0 for a whole sequence, ``p0`` for the
+            cells ``[p0, p1)`` of a range capture.
     """
 
     seq_id: int
@@ -50,6 +53,7 @@ class SequenceState:
     ext: U8
     k: tuple[U8, ...]
     v: tuple[U8, ...]
+    first: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -59,18 +63,19 @@ class SequenceState:
         """The permutation that sorts cells by position, or ``None`` when already sorted.
 
         Raises:
-            StateFormatError: positions are not exactly 0..n-1.
+            StateFormatError: positions are not exactly ``first .. first + n - 1``.
         """
         pos = self.positions
         n = len(pos)
         if n == 0:
             return None
-        if np.array_equal(pos, np.arange(n, dtype=np.int32)):
+        want = np.arange(self.first, self.first + n, dtype=np.int64)
+        if np.array_equal(pos, want):
             return None
         order = np.argsort(pos, kind="stable")
-        if not np.array_equal(pos[order], np.arange(n, dtype=np.int32)):
+        if not np.array_equal(pos[order], want):
             raise StateFormatError(
-                f"positions of sequence {self.seq_id} are not contiguous from 0: "
+                f"positions of sequence {self.seq_id} are not contiguous from {self.first}: "
                 f"min {int(pos.min())}, max {int(pos.max())}, {n} cells"
             )
         return order
@@ -102,12 +107,15 @@ class _Reader:
         return out
 
 
-def parse_state(blob: bytes | bytearray | memoryview, ext_bytes: int = 0) -> SequenceState:
+def parse_state(
+    blob: bytes | bytearray | memoryview, ext_bytes: int = 0, *, first: int = 0
+) -> SequenceState:
     """Parse a sequence-state blob into zero-copy views.
 
     Args:
         blob: bytes from ``llama_state_seq_get_data``.
         ext_bytes: bytes of ``llama_kv_cell_ext`` per cell (12 for M-RoPE/PLE models, else 0).
+        first: the first position the cells must hold (a range capture starts past 0).
 
     Raises:
         StateFormatError: wrong magic, truncation, trailing bytes, several non-empty streams,
@@ -137,9 +145,9 @@ def parse_state(blob: bytes | bytearray | memoryview, ext_bytes: int = 0) -> Seq
         empty = KVLayout(v_trans=False, layers=(), n_stream=n_stream, ext_bytes=ext_bytes)
         none = np.zeros(0, np.uint8)
         return SequenceState(
-            seq_id, empty, np.zeros(0, np.int32), none.reshape(0, ext_bytes), (), ()
+            seq_id, empty, np.zeros(0, np.int32), none.reshape(0, ext_bytes), (), (), first
         )
-    return found[1]
+    return dataclasses.replace(found[1], first=first) if first else found[1]
 
 
 def _parse_stream(

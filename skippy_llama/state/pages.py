@@ -157,10 +157,11 @@ def sort_by_position(state: SequenceState) -> SequenceState:
     return SequenceState(
         state.seq_id,
         state.layout,
-        np.arange(state.n_tokens, dtype=np.int32),
+        np.arange(state.first, state.first + state.n_tokens, dtype=np.int32),
         state.ext[order],
         tuple(arr[order] for arr in state.k),
         tuple(v),
+        state.first,
     )
 
 
@@ -168,21 +169,23 @@ def slice_state(state: SequenceState, start: int, end: int) -> Page:
     """Cut cells with positions ``[start, end)`` out of a sequence state, as views where possible.
 
     Raises:
-        StateFormatError: positions are not contiguous from 0, or the range is out of bounds.
+        StateFormatError: positions are not contiguous from ``state.first``, or the range is
+            out of bounds.
     """
     state = sort_by_position(state)
-    if not 0 <= start < end <= state.n_tokens:
+    first = state.first
+    if not first <= start < end <= first + state.n_tokens:
         raise StateFormatError(
-            f"range [{start}, {end}) outside the state's {state.n_tokens} tokens"
+            f"range [{start}, {end}) outside the state's positions "
+            f"[{first}, {first + state.n_tokens})"
         )
     layout = state.layout
+    a, b = start - first, end - first
     v = tuple(
-        arr[:, start * layer.v_unit : end * layer.v_unit] if layout.v_trans else arr[start:end]
+        arr[:, a * layer.v_unit : b * layer.v_unit] if layout.v_trans else arr[a:b]
         for arr, layer in zip(state.v, layout.layers, strict=True)
     )
-    return Page(
-        start, end - start, layout, state.ext[start:end], tuple(a[start:end] for a in state.k), v
-    )
+    return Page(start, end - start, layout, state.ext[a:b], tuple(k[a:b] for k in state.k), v)
 
 
 def cut_pages(
@@ -196,13 +199,12 @@ def cut_pages(
         raise ValueError(f"page_tokens must be positive, got {page_tokens}")
     state = sort_by_position(state)
     n = state.n_tokens if limit is None else min(limit, state.n_tokens)
-    bounds = list(range(0, n, page_tokens))
     pages = []
-    for start in bounds:
+    for start in range(0, n, page_tokens):
         end = min(start + page_tokens, n)
         if end - start < page_tokens and not keep_tail:
             break
-        pages.append(slice_state(state, start, end))
+        pages.append(slice_state(state, state.first + start, state.first + end))
     return pages
 
 

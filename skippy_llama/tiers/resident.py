@@ -1,8 +1,8 @@
-"""L1 policy: which prefixes stay resident in spare sequence ids of the live context.
+"""L1 policy: which prefixes stay resident as device checkpoints of the live context.
 
-Pure bookkeeping, no llama.cpp: the runtime asks this index where a prompt's longest resident
-prefix lives and which sequence ids to drop or fill, then performs the ``seq_cp``/``seq_rm`` calls
-itself. Entries are found by walking the prompt's page-key chain (full pages) and then comparing tokens
+Pure bookkeeping, no llama.cpp: the runtime asks this index which checkpoint slot holds a prompt's
+longest resident prefix and which slots to drop or fill, then makes the checkpoint calls itself
+and hands back an opaque handle (the checkpoint's cell metadata) to keep with the entry. Entries are found by walking the prompt's page-key chain (full pages) and then comparing tokens
 inside the entries that hold the last matched page, so a lookup costs O(pages) whatever the
 entry count.
 """
@@ -30,11 +30,13 @@ def common_prefix(a: Tokens, b: Tokens) -> int:
 
 @dataclass
 class ResidentEntry:
-    """One prefix parked in sequence ``seq_id``: its tokens and every key that reaches into it."""
+    """One prefix checkpointed in slot ``seq_id``: its tokens, every key that reaches into it,
+    and the runtime's handle to restore it."""
 
     seq_id: int
     tokens: Tokens
     page_keys: list[bytes]
+    handle: bytes = b""
     pins: int = 0
 
     @property
@@ -62,8 +64,8 @@ class ParkPlan:
 class ResidentIndex:
     """LRU index of resident prefixes with pins and a resident-token budget.
 
-    The budget is charged by each entry's full length, an upper bound on the distinct cells it
-    holds (entries that share cells are charged twice), so the context never runs out of cells.
+    The budget is charged by each entry's full length: every checkpoint holds its own copy of
+    its cells, so this is exactly the memory the checkpoints take.
     """
 
     def __init__(self, seq_ids: Sequence[int], budget_tokens: int, page_tokens: int) -> None:
@@ -107,16 +109,24 @@ class ResidentIndex:
             self._entries.move_to_end(best.seq_id)
         return best
 
+    def entry(self, seq_id: int) -> ResidentEntry:
+        return self._entries[seq_id]
+
     def plan_park(self, tokens: Tokens) -> ParkPlan | None:
-        """Choose a sequence id for a new prefix, evicting LRU unpinned entries as needed.
+        """Choose a slot for a new prefix, evicting LRU unpinned entries as needed.
 
         Entries that are a prefix of the new one are superseded (it covers them). Returns ``None``
-        when nothing can be freed (everything pinned) or the prefix is empty.
+        when an entry already holds the whole prefix (it becomes the most recently used), when
+        nothing can be freed (everything pinned) or when the prefix is empty.
         """
         n = min(len(tokens), self.budget_tokens)
         n -= n % self.page_tokens if n < len(tokens) else 0
         if n <= 0:
             return None
+        for e in self._entries.values():
+            if e.n_tokens >= n and np.array_equal(e.tokens[:n], tokens[:n]):
+                self._entries.move_to_end(e.seq_id)
+                return None
         evict = [
             e.seq_id
             for e in self._entries.values()
@@ -136,18 +146,21 @@ class ResidentIndex:
         seq_id = evict[0] if not self._free else self._free[0]
         return ParkPlan(seq_id=seq_id, n_tokens=n, evict=tuple(evict))
 
-    def commit_park(self, plan: ParkPlan, root: bytes, tokens: Tokens) -> None:
-        """Record that ``plan`` was carried out: evictions done, ``tokens[:n]`` now in ``seq_id``."""
-        for seq_id in plan.evict:
-            self.remove(seq_id)
-        if plan.seq_id in self._free:
-            self._free.remove(plan.seq_id)
+    def commit_park(self, plan: ParkPlan, root: bytes, tokens: Tokens, handle: bytes) -> None:
+        """Record that ``plan`` was carried out: ``tokens[:n]`` now in slot ``seq_id``."""
+        self.abandon_park(plan)
+        self._free.remove(plan.seq_id)
         body = np.array(tokens[: plan.n_tokens], dtype=np.int32)
         keys = page_keys(root, body, self.page_tokens)
-        entry = ResidentEntry(plan.seq_id, body, keys)
+        entry = ResidentEntry(plan.seq_id, body, keys, handle)
         self._entries[plan.seq_id] = entry
         for key in keys:
             self._by_page.setdefault(key, set()).add(plan.seq_id)
+
+    def abandon_park(self, plan: ParkPlan) -> None:
+        """Forget every entry ``plan`` touches: their slots were (or may have been) overwritten."""
+        for seq_id in (*plan.evict, plan.seq_id):
+            self.remove(seq_id)
 
     def remove(self, seq_id: int) -> None:
         """Forget the entry in ``seq_id`` (the runtime has removed or will remove its cells)."""

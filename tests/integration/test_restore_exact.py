@@ -33,8 +33,10 @@ def test_sliced_prefix_restores_bit_identical_logits(
         str(smollm2_path), n_ctx=1024, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
         verbose=False, cache_settings=Settings(page_tokens=64),
     )  # fmt: skip
-    tokens = llm.tokenize(TEXT.encode())[:300]
+    tokens = llm.tokenize((TEXT * 3).encode())[:300]
     prefix, suffix = tokens[:192], tokens[192:]
+    # a suffix must really be decoded after the restore, or the comparison reads stale logits
+    assert len(tokens) == 300 and len(suffix) == 108
     try:
         # cold: the prefix and then the suffix, decoded in the same batch shapes as the restore
         llm.reset()
@@ -50,6 +52,11 @@ def test_sliced_prefix_restores_bit_identical_logits(
         pages = [page_from_bytes(p.to_bytes()) for p in cut_pages(state, 64)]
         blob = assemble(pages[:3], llm.kv_layout, seq_id=0)  # 3 pages = the 192-token prefix
 
+        native.seq_rm(llm.ctx, 0)
+        llm.reset()
+        # poison the logits buffer so a skipped suffix decode cannot pass as a match
+        llama_eval(tokens[:2])
+        assert not np.array_equal(last_logits(llm), cold)
         native.seq_rm(llm.ctx, 0)
         llm.reset()
         assert native.set_seq_state(llm.ctx, blob, 0)

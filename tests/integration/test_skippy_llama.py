@@ -70,8 +70,11 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     assert skippy_prefill <= 0.4 * plain_prefill, (skippy_prefill, plain_prefill)
     # every later turn of a conversation is served from a resident prefix
     assert all(e.tier == "l1" and e.cached_tokens > 0 for e in events[4:])
-    # chat replies are repaired by default (l1.repair_generated "auto"): the next turn extends them
-    assert all(e.repaired_tokens > 0 for e in events)
+    # chat replies are repaired by default (l1.repair_generated "auto") when the next request
+    # leaves their chat, so the chat's next turn extends them; interleaving makes every request
+    # after the first leave the previous chat
+    assert all(e.repaired_tokens > 0 for e in events[1:])
+    assert events[0].repaired_tokens == 0
 
 
 @pytest.mark.parametrize("mode", ["auto", "always"])
@@ -102,13 +105,41 @@ def test_a_continued_completion_matches_plain_llama_with_or_without_repair(
         plain.close()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert first is not None and second is not None and second.tier == "l1"
-    if mode == "auto":
-        # a raw completion's reply is not repaired: it is decoded again within the next prefill
-        assert first.repaired_tokens == 0
-        assert n_prompt - 1 <= second.cached_tokens <= n_prompt
-    else:
-        assert first.repaired_tokens > 0
-        assert second.cached_tokens > n_prompt
+    # a prompt that extends the reply decodes the reply within its own prefill (one batch, as a
+    # cold prefill would): nothing is repaired in either mode
+    assert first.repaired_tokens == second.repaired_tokens == 0
+    assert n_prompt - 1 <= second.cached_tokens <= n_prompt
+
+
+def test_a_reply_left_for_another_prompt_is_repaired_and_reused(smollm2_path: Path) -> None:
+    """``always``: a raw reply is repaired when the next prompt leaves it, then reused exactly."""
+    prompt = TEXT + "The keeper counted"
+    skippy = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=2048,
+        verbose=False,
+        cache_settings=Settings(l1={"repair_generated": "always"}),
+    )
+    try:
+        reply = skippy.create_completion(prompt, max_tokens=12, temperature=0.0)
+        n_generated = reply["usage"]["completion_tokens"]
+        skippy.create_completion("Something else entirely. " * 4, max_tokens=4, temperature=0.0)
+        other = skippy.last_cache_event
+        follow = prompt + reply["choices"][0]["text"] + " Then, at the top, he"
+        got = skippy.create_completion(follow, max_tokens=12, temperature=0.0)
+        back = skippy.last_cache_event
+        n_prompt = len(skippy.tokenize(prompt.encode()))
+    finally:
+        skippy.close()
+    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        want = plain.create_completion(follow, max_tokens=12, temperature=0.0)
+    finally:
+        plain.close()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert other is not None and back is not None
+    assert 0 < other.repaired_tokens <= n_generated
+    assert back.tier == "l1" and back.cached_tokens > n_prompt
 
 
 def test_completion_reports_cached_tokens_and_event(smollm2_path: Path) -> None:

@@ -12,7 +12,7 @@ ROOT = b"\x01" * 16
 def _park(index: ResidentIndex, tokens: np.ndarray) -> int:
     plan = index.plan_park(tokens)
     assert plan is not None
-    index.commit_park(plan, ROOT, tokens)
+    index.commit_park(plan, ROOT, tokens, b"h")
     return plan.seq_id
 
 
@@ -54,7 +54,7 @@ def test_a_longer_prefix_supersedes_its_prefixes() -> None:
     first = _park(index, toks(range(50)))
     plan = index.plan_park(toks(range(120)))
     assert plan is not None and first in plan.evict
-    index.commit_park(plan, ROOT, toks(range(120)))
+    index.commit_park(plan, ROOT, toks(range(120)), b"h")
     assert [e.n_tokens for e in index.entries()] == [120]
 
 
@@ -65,7 +65,7 @@ def test_lru_eviction_under_budget_and_pins() -> None:
     index.pin(a)
     plan = index.plan_park(toks(range(2000, 2100)))
     assert plan is not None and plan.evict == (b,)  # a is pinned, b goes
-    index.commit_park(plan, ROOT, toks(range(2000, 2100)))
+    index.commit_park(plan, ROOT, toks(range(2000, 2100)), b"h")
     index.pin(plan.seq_id)
     assert index.plan_park(toks(range(3000, 3100))) is None  # everything pinned
     index.unpin(a)
@@ -86,3 +86,25 @@ def test_remove_and_clear_forget_keys() -> None:
     assert index.lookup(ROOT, toks(range(64)), 63) is None
     assert len(index.clear()) == 1
     assert index.entries() == [] and index.used_tokens == 0
+
+
+def test_a_prefix_already_held_is_not_parked_again() -> None:
+    index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=64)
+    plan = index.plan_park(toks(range(300)))
+    assert plan is not None
+    index.commit_park(plan, ROOT, toks(range(300)), b"meta")
+    assert index.plan_park(toks(range(200))) is None  # the entry holds it whole
+    assert index.plan_park(toks(range(300))) is None
+    assert index.entry(plan.seq_id).handle == b"meta"
+
+
+def test_abandoned_park_forgets_every_slot_it_touched() -> None:
+    index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=64)
+    first = index.plan_park(toks(range(100)))
+    assert first is not None
+    index.commit_park(first, ROOT, toks(range(100)), b"a")
+    longer = index.plan_park(toks(range(200)))
+    assert longer is not None and first.seq_id in longer.evict
+    index.abandon_park(longer)
+    assert index.entries() == []
+    assert index.lookup(ROOT, toks(range(200)), 199) is None

@@ -422,3 +422,20 @@ def test_page_with_layers_of_different_sizes() -> None:
     layout, pages = pages_for(spec)
     assert layout.layers == (LayerLayout(1, 64, 1, 2, 16), LayerLayout(1, 32, 1, 2, 48))
     assert all(p.layout.layers == layout.layers for p in pages)
+
+
+def test_range_state_slices_by_absolute_position() -> None:
+    """A range capture (cells [p0, p1) of a sequence) is cut by absolute positions."""
+    spec = Spec(n_layer=2, v_trans=True)
+    content = make_content(spec, 15, seed=9)  # rows are looked up by position
+    blob = build_state(content, 10, order=[p + 5 for p in shuffled(10, 3)]).data
+    with pytest.raises(StateFormatError, match="contiguous from 0"):
+        parse_state(blob).order()
+    state = parse_state(blob, first=5)
+    page = slice_state(state, 7, 12)
+    assert (page.start, page.n_tokens) == (7, 5)
+    for il in range(spec.n_layer):
+        np.testing.assert_array_equal(page.k[il], content.k[il][7:12])
+    with pytest.raises(StateFormatError, match="outside"):
+        slice_state(state, 4, 8)
+    assert [p.start for p in cut_pages(state, 4)] == [5, 9, 13]
