@@ -602,6 +602,20 @@ class SkippyLlama(llama_cpp.Llama):
 
     # -- whole-context calls ----------------------------------------------------------------
 
+    def _leave_live(self) -> None:
+        """Checkpoint the live sequence before a whole-context call replaces or forgets it."""
+        if getattr(self, "prefix_cache", None) is None or not self.caching:
+            return  # called while Llama.__init__ runs, or without a cache
+        if self._live_exact() > 0:
+            event = CacheEvent()
+            self._guard("park", event, lambda: self._displace(self._live_exact(), event))
+
+    def reset(self) -> None:
+        """``Llama.reset``; the live sequence stays reusable as a resident prefix."""
+        self._leave_live()
+        super().reset()  # type: ignore[no-untyped-call]
+        self._exact = 0
+
     def save_state(self) -> llama_cpp.LlamaState:
         """``Llama.save_state``; the state also remembers which of its cells are exact.
 
@@ -617,6 +631,7 @@ class SkippyLlama(llama_cpp.Llama):
 
         Cells of a state saved elsewhere are trusted as exact only when this class saved it.
         """
+        self._leave_live()
         super().load_state(state)
         self._exact = min(int(getattr(state, "skippy_exact", 0)), self.n_tokens)
         self._reply_repairable = False

@@ -1,0 +1,331 @@
+"""SkippyLlama in place of ``llama_cpp.Llama`` on every path a user can take (SmolLM2).
+
+Each test runs the same calls on plain ``Llama`` and on ``SkippyLlama`` and compares what the
+caller sees; each also checks that the cache really served something, so a test cannot pass
+because the cache stood aside.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+from modelhelpers import TEXT
+
+from skippy_llama.config import Settings
+from skippy_llama.runtime import llama as runtime
+from skippy_llama.runtime import native
+from skippy_llama.runtime.llama import SkippyLlama
+
+pytestmark = pytest.mark.model
+
+OTHER = "A recipe for bread: flour, water, salt and yeast, kneaded and left to rise. " * 3
+
+
+def _pair(path: Path, **kwargs: Any) -> tuple[llama_cpp.Llama, SkippyLlama]:
+    plain = llama_cpp.Llama(str(path), n_ctx=1024, verbose=False, **kwargs)
+    skippy = SkippyLlama(str(path), n_ctx=1024, verbose=False, cache_settings=Settings(), **kwargs)
+    return plain, skippy
+
+
+def _both(
+    path: Path, script: Callable[[llama_cpp.Llama], list[Any]], **kwargs: Any
+) -> tuple[list[Any], list[Any], SkippyLlama]:
+    plain, skippy = _pair(path, **kwargs)
+    try:
+        want = script(plain)
+        got = script(skippy)
+    finally:
+        plain.close()
+        skippy.close()
+    return want, got, skippy
+
+
+def _text(out: Any) -> str:
+    return str(out["choices"][0]["text"])
+
+
+def _complete(llm: llama_cpp.Llama, prompt: str, **kwargs: Any) -> str:
+    kwargs.setdefault("max_tokens", 10)
+    kwargs.setdefault("temperature", 0.0)
+    return _text(llm.create_completion(prompt, **kwargs))
+
+
+# -- whole-context calls ------------------------------------------------------------------
+
+
+def test_save_and_load_state_match_plain_llama(smollm2_path: Path) -> None:
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        out = [_complete(llm, TEXT + "The keeper")]
+        saved = llm.save_state()
+        out.append(_complete(llm, OTHER + "Bake it"))
+        llm.load_state(saved)
+        out.append(_complete(llm, TEXT + "The keeper wrote"))
+        out.append(_complete(llm, OTHER + "Serve it"))  # the resident copy of OTHER is intact
+        return out
+
+    want, got, skippy = _both(smollm2_path, script)
+    assert got == want
+    assert skippy.prefix_cache.counters.hits["l1"] >= 2
+
+
+def test_set_cache_with_llama_ram_cache_matches_plain_llama(smollm2_path: Path) -> None:
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))
+        return [
+            _complete(llm, TEXT + "Question one:"),
+            _complete(llm, OTHER + "Question two:"),
+            _complete(llm, TEXT + "Question three:"),
+            _complete(llm, OTHER + "Question four:"),
+        ]
+
+    want, got, _ = _both(smollm2_path, script)
+    assert got == want
+
+
+def test_reset_matches_plain_llama(smollm2_path: Path) -> None:
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        out = [_complete(llm, TEXT + "The keeper")]
+        llm.reset()
+        out.append(_complete(llm, TEXT + "The keeper climbed"))
+        return out
+
+    want, got, skippy = _both(smollm2_path, script)
+    assert got == want
+    assert skippy.last_cache_event is not None and skippy.last_cache_event.cached_tokens > 0
+
+
+def test_kv_cache_clear_behind_the_cache_never_reuses_cleared_cells(smollm2_path: Path) -> None:
+    """``_ctx.kv_cache_clear()`` (multimodal handlers call it) leaves resident prefixes intact and
+    the cleared working sequence is not reused: outputs equal a cold model's."""
+    fresh = llama_cpp.Llama(str(smollm2_path), n_ctx=1024, verbose=False)
+    try:
+        want = [_complete(fresh, TEXT + "The keeper wrote"), _complete(fresh, OTHER + "Then")]
+    finally:
+        fresh.close()
+    skippy = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings())
+    try:
+        _complete(skippy, OTHER + "First")
+        _complete(skippy, TEXT + "The keeper")  # OTHER is checkpointed as it is left
+        skippy._ctx.kv_cache_clear()  # n_tokens still claims the cells
+        got = [_complete(skippy, TEXT + "The keeper wrote")]
+        after_clear = skippy.last_cache_event
+        got.append(_complete(skippy, OTHER + "Then"))
+        resident = skippy.last_cache_event
+    finally:
+        skippy.close()
+    assert got == want
+    assert after_clear is not None and after_clear.cached_tokens == 0
+    assert resident is not None and resident.tier == "l1" and resident.cached_tokens > 50
+
+
+# -- prompt logprobs ----------------------------------------------------------------------
+
+
+def test_prompt_logprobs_after_a_cached_prefix_match_plain_llama(smollm2_path: Path) -> None:
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        _complete(llm, TEXT + "Question one:")
+        _complete(llm, OTHER + "Question two:")
+        out = llm.create_completion(
+            TEXT + "Question three:", max_tokens=4, temperature=0.0, echo=True, logprobs=3
+        )
+        plain_after = _complete(llm, TEXT + "Question four:")
+        return [out["choices"][0]["logprobs"], plain_after]
+
+    want, got, skippy = _both(smollm2_path, script, logits_all=True)
+    assert got[0]["token_logprobs"][1:] == want[0]["token_logprobs"][1:]
+    assert got[0]["top_logprobs"][1:] == want[0]["top_logprobs"][1:]
+    assert got == want
+    assert skippy.last_cache_event is not None and skippy.last_cache_event.cached_tokens > 0
+
+
+# -- sampling paths ------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "steps": {"type": "integer"}},
+    "required": ["name", "steps"],
+}
+
+
+def _sampling_script(llm: llama_cpp.Llama) -> list[Any]:
+    q = TEXT + "Question: what did the keeper count? Answer:"
+    grammar = llama_cpp.LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
+    return [
+        _complete(llm, q, max_tokens=16, temperature=0.9, seed=1234),
+        _complete(llm, q, max_tokens=16, temperature=0.7, top_k=20, top_p=0.8, seed=7),
+        _complete(llm, q, max_tokens=16, temperature=0.8, min_p=0.1, seed=99),
+        _complete(llm, q + " {", max_tokens=40, grammar=grammar),
+        _complete(llm, q, max_tokens=12, logit_bias={198: -100.0, 13: 5.0}),
+        _complete(llm, q, max_tokens=40, stop=["\n", "."]),
+        llm.create_completion(q, max_tokens=12, temperature=0.0, stop=["steps"])["choices"][0][
+            "finish_reason"
+        ],
+    ]
+
+
+def test_sampling_paths_match_plain_llama(smollm2_path: Path) -> None:
+    want, got, skippy = _both(smollm2_path, _sampling_script)
+    assert got == want
+    assert skippy.prefix_cache.counters.hits["l1"] >= 1
+
+
+def test_a_reply_that_runs_into_n_ctx_matches_plain_llama(smollm2_path: Path) -> None:
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        first = llm.create_completion(TEXT, max_tokens=-1, temperature=0.0)
+        again = llm.create_completion(TEXT + " And", max_tokens=-1, temperature=0.0)
+        return [_text(first), first["choices"][0]["finish_reason"], _text(again)]
+
+    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=256, verbose=False)
+    skippy = SkippyLlama(str(smollm2_path), n_ctx=256, verbose=False, cache_settings=Settings())
+    try:
+        want, got = script(plain), script(skippy)
+    finally:
+        plain.close()
+        skippy.close()
+    assert got == want
+    assert want[1] == "length"
+
+
+def _stream_text(chunks: Iterator[Any], chat: bool = False) -> str:
+    if chat:
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    return "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def test_streams_and_an_abandoned_stream_match_plain_llama(smollm2_path: Path) -> None:
+    messages = [{"role": "user", "content": "Tell me about lighthouses."}]
+
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        out = [
+            _stream_text(
+                llm.create_completion(
+                    TEXT + "The keeper", max_tokens=10, temperature=0, stream=True
+                )
+            ),
+            _stream_text(
+                llm.create_chat_completion(
+                    messages=messages, max_tokens=10, temperature=0, stream=True
+                ),
+                chat=True,
+            ),
+        ]
+        abandoned = llm.create_completion(OTHER + "Knead", max_tokens=20, stream=True)
+        out.append(next(abandoned)["choices"][0]["text"])
+        out.append(_complete(llm, TEXT + "The keeper wrote"))
+        del abandoned
+        gc.collect()  # the abandoned stream is finalized after a newer request ran
+        out.append(_complete(llm, TEXT + "The keeper wrote down"))
+        out.append(_complete(llm, OTHER + "Knead it"))
+        return out
+
+    want, got, skippy = _both(smollm2_path, script)
+    assert got == want
+    assert skippy.prefix_cache.counters.hits["l1"] >= 2
+
+
+# -- fail-open on the whole request path ----------------------------------------------------
+
+
+def _raise(exc: BaseException) -> Callable[..., Any]:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return boom
+
+
+FAULTS = [
+    pytest.param("checkpoint", MemoryError("state too large"), "park", id="park"),
+    pytest.param("restore_checkpoint", ValueError("bad checkpoint"), "l1", id="l1-restore"),
+    pytest.param("capture_range", MemoryError("huge state"), "record", id="record"),
+    pytest.param("set_seq_state", OSError("EIO"), "l3", id="l3-restore"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "step"), FAULTS)
+def test_a_fault_in_any_step_is_a_counted_fallback_with_plain_output(
+    smollm2_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    call: str,
+    exc: BaseException,
+    step: str,
+) -> None:
+    settings = Settings(l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path)})
+    prompts = [TEXT + "The keeper", OTHER + "Bake", TEXT + "The keeper wrote"]
+    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=1024, verbose=False)
+    try:
+        want = [_complete(plain, p) for p in prompts]
+    finally:
+        plain.close()
+    if step == "l3":  # a first process fills L3, the faulty one restores from it
+        filler = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=settings)
+        try:
+            _complete(filler, prompts[0])
+        finally:
+            filler.close()
+    skippy = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=settings)
+    monkeypatch.setattr(native, call, _raise(exc))
+    try:
+        got = [_complete(skippy, p) for p in prompts]
+    finally:
+        skippy.close()
+    assert got == want
+    fallbacks = skippy.prefix_cache.counters.fallbacks
+    assert any(reason.startswith(step) for reason in fallbacks), fallbacks
+
+
+def test_a_fault_in_the_repair_is_a_counted_fallback(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        out = []
+        for content in ("Tell me about tides.", "How is bread made?", "Why two tides a day?"):
+            reply = llm.create_chat_completion(
+                messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+            )
+            out.append(reply["choices"][0]["message"]["content"])
+        return out
+
+    plain, skippy = _pair(smollm2_path)
+    monkeypatch.setattr(runtime.SkippyLlama, "_repair", _raise(ValueError("repair failed")))
+    try:
+        want, got = script(plain), script(skippy)
+    finally:
+        plain.close()
+        skippy.close()
+    assert got == want
+    assert any(r.startswith("park") for r in skippy.prefix_cache.counters.fallbacks)
+
+
+# -- memory --------------------------------------------------------------------------------
+
+
+def test_one_context_of_plain_size_and_resident_memory_within_the_budget(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[int] = []
+    original = runtime._HookedContext.__init__
+
+    def counting(self: Any, *, model: Any, params: Any, verbose: bool = True) -> None:
+        original(self, model=model, params=params, verbose=verbose)
+        built.append(int(params.n_ctx))
+
+    monkeypatch.setattr(runtime._HookedContext, "__init__", counting)
+    skippy = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings())
+    try:
+        for i in range(6):  # more distinct prefixes than slots and than the budget holds
+            _complete(skippy, f"Document {i}: " + (TEXT if i % 2 else OTHER) * 2, max_tokens=2)
+        status = skippy.cache_status()
+    finally:
+        skippy.close()
+    assert built == [1024]  # built once, with the cells plain Llama has
+    l1 = status["l1"]
+    assert l1["budget_tokens"] == 1024
+    assert 0 < l1["resident_tokens"] <= l1["budget_tokens"]
+    assert skippy.prefix_cache.counters.parked >= 4
