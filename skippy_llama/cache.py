@@ -44,6 +44,23 @@ class LookupResult:
     lookup_s: float = 0.0
     fallbacks: tuple[str, ...] = ()
 
+    def truncated(self, n: int) -> LookupResult:
+        """The same plan cut to its first ``n`` tokens (cold when nothing is left)."""
+        if n >= self.n_tokens:
+            return self
+        if n <= 0:
+            return LookupResult("cold", 0, lookup_s=self.lookup_s, fallbacks=self.fallbacks)
+        payloads: list[bytes] = []
+        uses: list[int] = []
+        left = n
+        for payload, use in zip(self.payloads, self.uses, strict=True):
+            if left == 0:
+                break
+            payloads.append(payload)
+            uses.append(min(use, left))
+            left -= uses[-1]
+        return dataclasses.replace(self, n_tokens=n, payloads=tuple(payloads), uses=tuple(uses))
+
 
 @dataclass
 class CacheCounters:

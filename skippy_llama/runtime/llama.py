@@ -137,6 +137,7 @@ class SkippyLlama(llama_cpp.Llama):
         elif self._is_recurrent or self._is_hybrid:
             arch = str(self.metadata.get("general.architecture", "unknown"))
             self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
+        self.granule = self._canonical_granule()
         resident: ResidentIndex | None = None
         self.l1_budget_tokens = 0
         if self.cache_disabled_reason is None and slots > 0:
@@ -166,6 +167,27 @@ class SkippyLlama(llama_cpp.Llama):
             disk=disk,
             admission=admission,
         )
+
+    def _canonical_granule(self) -> int:
+        """Reused prefixes end at multiples of this; every prefill starts at one.
+
+        On GPU builds, and on the CPU with flash attention on, llama.cpp's kernels make K/V bytes
+        and logits depend on how a prompt is split into micro-batches. Every prefill is then
+        decoded in chunks whose boundaries sit at multiples of ``n_ubatch`` (``Llama.eval``
+        splits by ``n_batch``, a multiple of it), and cached cells are reused only up to such
+        a boundary, so a cached run decodes exactly the micro-batches a cold one does. On the
+        CPU with flash attention off the bytes do not depend on the split: any token boundary.
+        """
+        flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if native.backend_name() == "CPU" and not flash:
+            return 1
+        n_ubatch = int(self.context_params.n_ubatch)
+        if self.n_batch % n_ubatch:
+            self.cache_disabled_reason = (
+                f"n_batch {self.n_batch} is not a multiple of n_ubatch {n_ubatch}: "
+                "prefills cannot be split canonically"
+            )
+        return n_ubatch
 
     @staticmethod
     def _context_adjuster(n_seq_max: int) -> Any:
@@ -300,7 +322,11 @@ class SkippyLlama(llama_cpp.Llama):
         exact = min(self._exact, self.n_tokens)
         if exact > 0:
             exact = min(exact, native.seq_pos_max(self.ctx, WORKING_SEQ) + 1)
-        return max(exact, 0)
+        return self._aligned(max(exact, 0))
+
+    def _aligned(self, n: int) -> int:
+        """``n`` rounded down to a canonical batch boundary (see ``granule``)."""
+        return n - n % self.granule
 
     def _guard(self, step: str, event: CacheEvent | None, work: Any) -> bool:
         """Run one cache step; any exception becomes a counted fallback (fail-open).
@@ -327,7 +353,7 @@ class SkippyLlama(llama_cpp.Llama):
         """Put the longest cached prefix of ``tokens`` into the working sequence."""
         limit = max(len(tokens) - DECODED_SUFFIX, 0)
         exact = self._live_exact()
-        live = common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit])
+        live = self._aligned(common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit]))
         if live < exact:
             # the prompt leaves the live sequence: keep it resident before it is overwritten
             self._guard("park", event, lambda: self._displace(exact, event))
@@ -338,6 +364,7 @@ class SkippyLlama(llama_cpp.Llama):
         if self._need_rows:
             return  # prompt logprobs need a computed row for every prompt token
         found = self.prefix_cache.lookup(tokens, limit, live)
+        found = found.truncated(self._aligned(found.n_tokens))
         event.lookup_ms = found.lookup_s * 1e3
         event.fallbacks.extend(found.fallbacks)
         started = time.perf_counter()
@@ -347,6 +374,7 @@ class SkippyLlama(llama_cpp.Llama):
             # fail open: the working sequence was cleared, so take what L1 alone offers
             self._drop_working()
             found = self.prefix_cache.lookup_resident(tokens, limit)
+            found = found.truncated(self._aligned(found.n_tokens))
         if found.tier == "l1" and found.seq_id is not None:
             hit, slot = found, found.seq_id
             if not self._guard("l1", event, lambda: self._copy_resident(hit, tokens)):
@@ -366,7 +394,7 @@ class SkippyLlama(llama_cpp.Llama):
         """
         mode = self.cache_settings.l1.repair_generated
         repair = mode == "always" or (mode == "auto" and self._reply_repairable)
-        if repair and exact == self._reply_start and self.n_tokens > exact:
+        if repair and exact == self._aligned(self._reply_start) and self.n_tokens > exact:
             event.repaired_tokens = self._repair()
             exact = self._exact
         self._park(exact)
@@ -383,7 +411,8 @@ class SkippyLlama(llama_cpp.Llama):
         before = self.n_tokens
         exact = self._exact_tokens()
         super().eval(tokens)
-        self._exact = self.n_tokens if len(tokens) >= 2 and exact == before else exact
+        batched = len(tokens) >= 2 and exact == before
+        self._exact = self._aligned(self.n_tokens) if batched else exact
 
     def _load_pages(
         self, found: LookupResult, tokens: np.ndarray[Any, Any], event: CacheEvent
@@ -497,7 +526,7 @@ class SkippyLlama(llama_cpp.Llama):
             and event.prefill_ms > 0
         ):
             admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
-        point = self._exact_tokens() - DECODED_SUFFIX
+        point = self._aligned(self._exact_tokens() - DECODED_SUFFIX)
         tokens = self.input_ids[: max(point, 0)].astype(np.int32)
         plan = cache.plan_record(tokens, point)
         if plan is None:
@@ -523,7 +552,7 @@ class SkippyLlama(llama_cpp.Llama):
         in the low bits from the batched prefill a cold prompt would get; keeping them as they
         are would make a later turn's output depend on the cache. Returns the tokens re-decoded.
         """
-        start = self._reply_start
+        start = self._aligned(self._reply_start)
         generated = self.input_ids[start : self.n_tokens].tolist()
         native.seq_rm(self.ctx, WORKING_SEQ, start, -1)
         self.n_tokens = start
@@ -651,6 +680,7 @@ class SkippyLlama(llama_cpp.Llama):
             "caching": self.caching,
             "disabled_reason": self.cache_disabled_reason,
             "n_ctx": self.n_ctx(),
+            "granule": self.granule,
             "kv_bytes_per_token": per_token,
             "context_kv_bytes": per_token * self.n_ctx(),
             "l1": {

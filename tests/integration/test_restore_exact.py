@@ -87,3 +87,48 @@ def test_restore_into_another_sequence_id(smollm2_path: Path) -> None:
             assert np.array_equal(a, b[:128])
     finally:
         llm.close()
+
+
+def test_canonical_batching_makes_cached_logits_equal_a_one_shot_prefill(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Flash attention on: llama.cpp's CPU kernel makes bits depend on the batch split, so
+    SkippyLlama reuses cells only up to multiples of n_ubatch and prefills from there; the last
+    logits then equal plain Llama's one-shot prefill bit for bit (L1 and L3)."""
+    import llama_cpp
+
+    kwargs = {"n_ctx": 1024, "n_batch": 64, "n_ubatch": 64, "flash_attn": True, "verbose": False}
+    text = (TEXT * 3).encode()
+    settings = Settings(
+        page_tokens=32, l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path)}
+    )
+    plain = llama_cpp.Llama(str(smollm2_path), **kwargs)
+    try:
+        prompt = plain.tokenize(text)[:301]
+        other = plain.tokenize(b"Bread is made of flour and water. " * 8)
+        plain.eval(prompt)
+        cold = last_logits(plain)
+    finally:
+        plain.close()
+    first = SkippyLlama(str(smollm2_path), cache_settings=settings, **kwargs)
+    try:
+        assert first.granule == 64
+        first.eval(prompt[:250])  # a shorter prompt with the same start: L1 and L3 get it
+        first.eval(other)  # leaves it: it becomes resident
+        first.reset()
+        first.eval(prompt)
+        l1 = first.last_cache_event
+        from_l1 = last_logits(first)
+    finally:
+        first.close()
+    second = SkippyLlama(str(smollm2_path), cache_settings=settings, **kwargs)
+    try:
+        second.eval(prompt)
+        l3 = second.last_cache_event
+        from_l3 = last_logits(second)
+    finally:
+        second.close()
+    assert l1 is not None and l1.tier == "l1" and l1.cached_tokens == 192  # 3 × 64 ≤ 250 − 2
+    assert l3 is not None and l3.tier == "l3" and l3.cached_tokens == 192
+    assert np.array_equal(from_l1, cold), f"max |Δ| = {np.abs(from_l1 - cold).max()}"
+    assert np.array_equal(from_l3, cold), f"max |Δ| = {np.abs(from_l3 - cold).max()}"

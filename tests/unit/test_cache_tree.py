@@ -140,3 +140,15 @@ def test_a_record_planned_while_the_previous_one_is_queued_reuses_its_pages(
     assert disk.flush(10)
     assert stored_pages(cache) == 4 and disk.status().process_activity.dropped_writes == 0
     assert served(cache, b, 318) == (318, (128, 128, 24, 38))
+
+
+def test_a_lookup_result_cut_to_fewer_tokens_keeps_whole_pages_then_a_head() -> None:
+    from skippy_llama.cache import LookupResult
+
+    found = LookupResult("l3", 300, payloads=(b"a", b"b", b"c"), uses=(128, 128, 44))
+    assert found.truncated(400) is found
+    cut = found.truncated(200)
+    assert (cut.tier, cut.n_tokens, cut.payloads, cut.uses) == ("l3", 200, (b"a", b"b"), (128, 72))
+    assert found.truncated(0).tier == "cold" and found.truncated(0).payloads == ()
+    resident = LookupResult("l1", 90, seq_id=2).truncated(64)
+    assert (resident.tier, resident.n_tokens, resident.seq_id) == ("l1", 64, 2)
