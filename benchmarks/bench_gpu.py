@@ -1,0 +1,195 @@
+"""GPU figures: restore vs cold prefill per tier, exactness, capture cost, and a linear chat.
+
+Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 model that
+``../shared/gpu/make_model.py`` writes. For each prefix length N it measures, beside plain
+``llama_cpp.Llama``'s one-shot prefill of the same N + 64 tokens (the cold time):
+
+- L1: the prefix checkpointed in the live context, restored, then the 64-token suffix;
+- L3: a second model object reading the pages the first recorded (page cache warm);
+- L2: a third object with L1 off, its second request served from the RAM mirror;
+
+with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), and
+the time of the L3 record after a request. ``--chat`` adds a linear raw-text chat (turns of
+``--turn`` new tokens, 48-token greedy replies) for plain Llama, SkippyLlama defaults and
+SkippyLlama with L3 on, in one process: total and last-turn time and whether replies agree.
+
+    python benchmarks/bench_gpu.py MODEL.gguf --sizes 2048 8192 32000 --chat 8192 \
+        --out benchmarks/results/gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from skippy_llama.config import Settings
+from skippy_llama.runtime.llama import SkippyLlama
+
+SUFFIX = 64
+
+
+def _logits(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+def _timed_eval(llm: llama_cpp.Llama, tokens: list[int]) -> float:
+    llm.reset()
+    started = time.perf_counter()
+    llm.eval(tokens)
+    llama_cpp.llama_synchronize(llm.ctx)
+    return time.perf_counter() - started
+
+
+def _settings(store: Path, *, l1: bool = True, l2: str | None = None) -> Settings:
+    return Settings(
+        l1={"enabled": l1},
+        l2={"budget": l2},
+        l3={"mode": "fixed", "budget": "64GiB", "directory": str(store), "minimum_free": "1GiB"},
+    )
+
+
+def bench_size(
+    model: str, n: int, common: dict[str, Any], rng: np.random.Generator
+) -> dict[str, Any]:
+    plain = llama_cpp.Llama(model, **common)
+    vocab = plain.n_vocab()
+    base = [int(t) for t in rng.integers(100, vocab - 100, n)]
+    query = base + [int(t) for t in rng.integers(100, vocab - 100, SUFFIX)]
+    other = [int(t) for t in rng.integers(100, vocab - 100, 256)]
+    cold_s = min(_timed_eval(plain, query) for _ in range(2))
+    cold = _logits(plain)
+    plain.close()
+    row: dict[str, Any] = {"tokens": n, "cold_s": round(cold_s, 4)}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp)
+        recorder = SkippyLlama(model, cache_settings=_settings(store, l1=False), **common)
+        record_s: list[float] = []
+        original = recorder._record
+
+        def timed_record(event: Any) -> None:
+            started = time.perf_counter()
+            original(event)
+            record_s.append(time.perf_counter() - started)
+
+        recorder._record = timed_record  # type: ignore[method-assign]
+        recorder.eval(base)  # L3 gets the prefix (all but its last two tokens)
+        recorder.close()
+        sk = SkippyLlama(model, cache_settings=Settings(), **common)
+        sk.eval(base)
+        sk.eval(other)  # leaves the prefix: it is checkpointed
+        warm_s = _timed_eval(sk, query)
+        event = sk.last_cache_event
+        row["l1"] = {
+            "warm_over_cold": round(warm_s / cold_s, 4),
+            "cached": event.cached_tokens if event else 0,
+            "tier": event.tier if event else None,
+            "max_abs_dlogit": float(np.abs(_logits(sk) - cold).max()),
+        }
+        row["record_s"] = round(record_s[0], 4) if record_s else None
+        row["record_over_cold"] = round(record_s[0] / cold_s, 4) if record_s else None
+        sk.close()
+        for tier, kwargs in (("l3", {"l1": False}), ("l2", {"l1": False, "l2": "32GiB"})):
+            llm = SkippyLlama(model, cache_settings=_settings(store, **kwargs), **common)
+            # L2 promotes on a second fill (at once from 4,096 tokens): the last run reads it
+            runs = [_timed_eval(llm, query) for _ in range(3 if tier == "l2" else 1)]
+            event = llm.last_cache_event
+            row[tier] = {
+                "warm_over_cold": round(runs[-1] / cold_s, 4),
+                "cached": event.cached_tokens if event else 0,
+                "tier": event.tier if event else None,
+                "restore_ms": round(event.restore_ms, 2) if event else None,
+                "max_abs_dlogit": float(np.abs(_logits(llm) - cold).max()),
+            }
+            llm.close()
+    return row
+
+
+def bench_chat(model: str, n: int, turn: int, common: dict[str, Any]) -> dict[str, Any]:
+    rng = np.random.default_rng(7)
+    user_turns = []
+    total = 0
+    while total + turn + 48 < n:
+        user_turns.append([int(t) for t in rng.integers(100, 30000, turn)])
+        total += turn + 48
+    out: dict[str, Any] = {"turns": len(user_turns), "tokens": total}
+    replies: dict[str, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        modes = {
+            "plain": lambda: llama_cpp.Llama(model, **common),
+            "skippy": lambda: SkippyLlama(model, cache_settings=Settings(), **common),
+            "skippy_l3": lambda: SkippyLlama(model, cache_settings=_settings(Path(tmp)), **common),
+        }
+        for name, make in modes.items():
+            llm = make()
+            history: list[int] = []
+            times = []
+            got = []
+            for user in user_turns:
+                history = history + user
+                started = time.perf_counter()
+                res = llm.create_completion(history, max_tokens=48, temperature=0.0)
+                times.append(time.perf_counter() - started)
+                reply = llm.tokenize(res["choices"][0]["text"].encode(), add_bos=False)
+                got.append(reply)
+                history = history + reply
+            started = time.perf_counter()
+            llm.close()
+            out[name] = {
+                "total_s": round(sum(times), 4),
+                "last_turn_s": round(times[-1], 4),
+                "close_s": round(time.perf_counter() - started, 4),
+            }
+            replies[name] = got
+    for name in ("skippy", "skippy_l3"):
+        out[name]["total_over_plain"] = round(out[name]["total_s"] / out["plain"]["total_s"], 4)
+        out[name]["last_over_plain"] = round(
+            out[name]["last_turn_s"] / out["plain"]["last_turn_s"], 4
+        )
+        out[name]["replies_equal"] = replies[name] == replies["plain"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--chat", type=int, default=0, help="linear chat up to this many tokens")
+    parser.add_argument("--turn", type=int, default=600, help="new tokens per chat turn")
+    parser.add_argument("--n-gpu-layers", type=int, default=-1)
+    parser.add_argument("--flash-attn", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    n_ctx = max([*args.sizes, args.chat]) + 1024
+    common = {
+        "n_ctx": n_ctx,
+        "n_gpu_layers": args.n_gpu_layers,
+        "flash_attn": bool(args.flash_attn),
+        "verbose": False,
+    }
+    rng = np.random.default_rng(0)
+    report: dict[str, Any] = {
+        "backend": llama_cpp.llama_print_system_info().decode()[:200],
+        "settings": {k: v for k, v in common.items() if k != "verbose"},
+        "sizes": [],
+    }
+    for n in args.sizes:
+        row = bench_size(args.model, n, common, rng)
+        print(json.dumps(row), flush=True)
+        report["sizes"].append(row)
+    if args.chat:
+        report["chat"] = bench_chat(args.model, args.chat, args.turn, common)
+        print(json.dumps(report["chat"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
