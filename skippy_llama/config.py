@@ -93,12 +93,15 @@ class L1Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     max_prefixes: int = Field(
-        4, ge=1, le=64, description="resident prefixes; each is a KV stream of n_ctx cells"
+        4,
+        ge=1,
+        le=64,
+        description="resident prefixes (device checkpoints, each sized to its prefix)",
     )
     budget_tokens: int | None = Field(
         None,
         ge=1,
-        description="resident-token budget; default max_prefixes * n_ctx (streams are preallocated)",
+        description="tokens all resident prefixes may hold; default n_ctx (KV memory ≤ 2× plain Llama)",
     )
     repair_generated: Repair = Field(
         "auto",

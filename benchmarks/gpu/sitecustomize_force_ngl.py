@@ -1,6 +1,9 @@
-"""Test-run hook (not part of the project): when LLCPP_FORCE_NGL is set (not a SKIPPY_* name: test_l3_runtime.clean_env drops those from its workers), every llama_cpp.Llama built in
+"""Test-run hook (not part of the project): when LLCPP_FORCE_NGL is set, every llama_cpp.Llama built in
 this process (SkippyLlama and the tests' plain Llama alike) gets n_gpu_layers=LLCPP_FORCE_NGL unless the
-caller passed one. Subprocesses inherit it through PYTHONPATH. Chains to any other sitecustomize."""
+caller passed one; LLCPP_FORCE_UBATCH sets n_batch = n_ubatch and LLCPP_FORCE_FA turns flash attention
+on the same way (CPU + flash attention + small n_ubatch reproduces the GPU's canonical-batching
+conditions locally). Subprocesses inherit it through PYTHONPATH. Chains to any other sitecustomize."""
+
 import os
 import sys
 
@@ -10,7 +13,7 @@ if _ngl:
     import importlib.machinery
 
     class _PatchLlama(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):  # noqa: ANN001
+        def find_spec(self, name, path, target=None):
             if name != "llama_cpp.llama":
                 return None
             sys.meta_path.remove(self)
@@ -19,13 +22,15 @@ if _ngl:
                 return spec
             exec_orig = spec.loader.exec_module
 
-            def exec_module(module):  # noqa: ANN001
+            def exec_module(module):
                 exec_orig(module)
                 cls = module.Llama
                 init = cls.__init__
 
-                def __init__(self, *args, **kwargs):  # noqa: ANN001
+                def __init__(self, *args, **kwargs):
                     kwargs.setdefault("n_gpu_layers", int(_ngl))
+                    if os.environ.get("LLCPP_FORCE_FA"):
+                        kwargs.setdefault("flash_attn", True)
                     ub = os.environ.get("LLCPP_FORCE_UBATCH")
                     if ub:
                         kwargs.setdefault("n_batch", int(ub))
@@ -33,7 +38,9 @@ if _ngl:
                     log = os.environ.get("LLCPP_FORCE_NGL_LOG")
                     if log:
                         with open(log, "a") as f:
-                            f.write(f"{os.getpid()} {type(self).__name__} ngl={kwargs['n_gpu_layers']}\n")
+                            f.write(
+                                f"{os.getpid()} {type(self).__name__} ngl={kwargs['n_gpu_layers']}\n"
+                            )
                     return init(self, *args, **kwargs)
 
                 cls.__init__ = __init__
@@ -48,5 +55,7 @@ for _p in list(sys.path):
     _f = os.path.join(os.path.abspath(_p or "."), "sitecustomize.py")
     if os.path.dirname(_f) != _here and os.path.isfile(_f):
         with open(_f) as _fh:
-            exec(compile(_fh.read(), _f, "exec"), {"__name__": "_orig_sitecustomize", "__file__": _f})
+            exec(
+                compile(_fh.read(), _f, "exec"), {"__name__": "_orig_sitecustomize", "__file__": _f}
+            )
         break

@@ -510,9 +510,10 @@ class SkippyLlama(llama_cpp.Llama):
                 self._guard("record", None, lambda: self._record(event))
 
     def _record(self, event: CacheEvent) -> None:
-        """Queue the exact part of the working sequence for L3, but its last two tokens.
+        """Queue the exact part of the working sequence for L3, as far as a repeat can use it.
 
-        A repeat of the prompt cannot use those two (see ``DECODED_SUFFIX``). Only what L3 lacks
+        A repeat of the prompt decodes its last two tokens (see ``DECODED_SUFFIX``) and reuses
+        whole granules only (see ``_canonical_granule``). Only what L3 lacks
         is captured and written: the record continues the stored page tree where this prompt
         leaves it, and only the cells of its new pages are serialized.
         """
@@ -526,7 +527,8 @@ class SkippyLlama(llama_cpp.Llama):
             and event.prefill_ms > 0
         ):
             admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
-        point = self._aligned(self._exact_tokens() - DECODED_SUFFIX)
+        # as far as a repeat of this prompt can reuse: not its last DECODED_SUFFIX tokens
+        point = min(self._exact_tokens(), self._aligned(event.prompt_tokens - DECODED_SUFFIX))
         tokens = self.input_ids[: max(point, 0)].astype(np.int32)
         plan = cache.plan_record(tokens, point)
         if plan is None:

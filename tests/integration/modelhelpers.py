@@ -21,6 +21,13 @@ TEXT = (
 )
 
 
+def aligned(llm: llama_cpp.Llama, n: int) -> int:
+    """``n`` rounded down to the canonical batch boundary of ``llm`` (1 where reuse is
+    token-granular: a SkippyLlama on the CPU with flash attention off, or a plain Llama)."""
+    granule = int(getattr(llm, "granule", 1))
+    return n - n % granule
+
+
 def last_logits(llm: llama_cpp.Llama) -> np.ndarray[Any, np.dtype[np.float32]]:
     """Logits of the last decoded token (copied)."""
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)

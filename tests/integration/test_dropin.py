@@ -1,8 +1,11 @@
 """SkippyLlama in place of ``llama_cpp.Llama`` on every path a user can take (SmolLM2).
 
-Each test runs the same calls on plain ``Llama`` and on ``SkippyLlama`` and compares what the
-caller sees; each also checks that the cache really served something, so a test cannot pass
-because the cache stood aside.
+Each test runs the same calls on ``SkippyLlama`` and on a cold reference (``ColdLlama``: plain
+``Llama`` prefilling every prompt from scratch) and compares what the caller sees. Where reuse
+is token-granular (CPU, flash attention off) plain ``Llama``, which reuses its own live cells,
+must agree too; elsewhere its own reuse is not exact (bits depend on the batch split), so only
+the cold reference is the truth. Each test also checks that the cache really served something,
+so it cannot pass because the cache stood aside.
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ from typing import Any
 
 import llama_cpp
 import pytest
-from modelhelpers import TEXT
+from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import Settings
 from skippy_llama.runtime import llama as runtime
 from skippy_llama.runtime import native
+from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 
 pytestmark = pytest.mark.model
 
-OTHER = "A recipe for bread: flour, water, salt and yeast, kneaded and left to rise. " * 3
+OTHER = "A recipe for bread: flour, water, salt and yeast, kneaded and left to rise. " * 6
 
 
 def _pair(path: Path, **kwargs: Any) -> tuple[llama_cpp.Llama, SkippyLlama]:
@@ -103,7 +107,7 @@ def test_reset_matches_plain_llama(smollm2_path: Path) -> None:
 def test_kv_cache_clear_behind_the_cache_never_reuses_cleared_cells(smollm2_path: Path) -> None:
     """``_ctx.kv_cache_clear()`` (multimodal handlers call it) leaves resident prefixes intact and
     the cleared working sequence is not reused: outputs equal a cold model's."""
-    fresh = llama_cpp.Llama(str(smollm2_path), n_ctx=1024, verbose=False)
+    fresh = ColdLlama(str(smollm2_path), n_ctx=1024, verbose=False)
     try:
         want = [_complete(fresh, TEXT + "The keeper wrote"), _complete(fresh, OTHER + "Then")]
     finally:
@@ -121,7 +125,11 @@ def test_kv_cache_clear_behind_the_cache_never_reuses_cleared_cells(smollm2_path
         skippy.close()
     assert got == want
     assert after_clear is not None and after_clear.cached_tokens == 0
-    assert resident is not None and resident.tier == "l1" and resident.cached_tokens > 50
+    assert (
+        resident is not None
+        and resident.tier == "l1"
+        and resident.cached_tokens >= aligned(skippy, 100)
+    )
 
 
 # -- prompt logprobs ----------------------------------------------------------------------
@@ -181,13 +189,7 @@ def test_a_reply_that_runs_into_n_ctx_matches_plain_llama(smollm2_path: Path) ->
         again = llm.create_completion(TEXT + " And", max_tokens=-1, temperature=0.0)
         return [_text(first), first["choices"][0]["finish_reason"], _text(again)]
 
-    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=256, verbose=False)
-    skippy = SkippyLlama(str(smollm2_path), n_ctx=256, verbose=False, cache_settings=Settings())
-    try:
-        want, got = script(plain), script(skippy)
-    finally:
-        plain.close()
-        skippy.close()
+    want, got, _ = _both(smollm2_path, script, n_ctx=256)
     assert got == want
     assert want[1] == "length"
 
@@ -258,11 +260,11 @@ def test_a_fault_in_any_step_is_a_counted_fallback_with_plain_output(
 ) -> None:
     settings = Settings(l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path)})
     prompts = [TEXT + "The keeper", OTHER + "Bake", TEXT + "The keeper wrote"]
-    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=1024, verbose=False)
+    cold = ColdLlama(str(smollm2_path), n_ctx=1024, verbose=False)
     try:
-        want = [_complete(plain, p) for p in prompts]
+        want = [_complete(cold, p) for p in prompts]
     finally:
-        plain.close()
+        cold.close()
     if step == "l3":  # a first process fills L3, the faulty one restores from it
         filler = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=settings)
         try:
@@ -292,13 +294,8 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
             out.append(reply["choices"][0]["message"]["content"])
         return out
 
-    plain, skippy = _pair(smollm2_path)
     monkeypatch.setattr(runtime.SkippyLlama, "_repair", _raise(ValueError("repair failed")))
-    try:
-        want, got = script(plain), script(skippy)
-    finally:
-        plain.close()
-        skippy.close()
+    want, got, skippy = _both(smollm2_path, script)
     assert got == want
     assert any(r.startswith("park") for r in skippy.prefix_cache.counters.fallbacks)
 

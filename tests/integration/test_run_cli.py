@@ -36,7 +36,7 @@ def test_run_jsonl_reuses_prefixes_and_matches_the_cold_baseline(
     assert report["model"] == str(smollm2_path)
     rows = report["requests"]
     assert [r["tier"] for r in rows[:2]] == ["cold", "l1"]
-    assert rows[1]["cached_tokens"] > 150
+    assert rows[1]["cached_tokens"] >= 128  # the shared notes (whole granules on GPU builds)
     assert report["totals"]["identical_outputs"] == 3
     assert report["totals"]["prefilled_tokens"] < report["totals"]["prompt_tokens"]
 

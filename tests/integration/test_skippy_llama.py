@@ -6,9 +6,10 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from modelhelpers import TEXT, CountingLlama
+from modelhelpers import TEXT, CountingLlama, aligned
 
 from skippy_llama.config import Settings
+from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.workload import SYSTEM_PROMPT
 
@@ -44,10 +45,18 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
 ) -> None:
     plain = CountingLlama(str(smollm2_path), n_ctx=2048, verbose=False)
     try:
-        expected = _interleaved(plain)
+        plain_out = _interleaved(plain)
         plain_prefill = sum(plain.prefilled)
     finally:
         plain.close()
+    # the reference is a cold prefill of every prompt: plain Llama reuses its own live cells,
+    # generated ones included, which equals cold only where bits do not depend on the batch
+    # split (CPU, flash attention off: there the two agree, as checked here)
+    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        expected = _interleaved(cold)
+    finally:
+        cold.close()
 
     skippy = SkippyLlama(str(smollm2_path), n_ctx=2048, verbose=False, cache_settings=Settings())
     events = []
@@ -65,6 +74,8 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     finally:
         skippy.close()
     assert got == expected
+    if skippy.granule == 1:
+        assert plain_out == expected
     skippy_prefill = sum(e.suffix_tokens for e in events)
     assert len(plain.prefilled) == len(events) == 16
     assert skippy_prefill <= 0.4 * plain_prefill, (skippy_prefill, plain_prefill)
@@ -108,7 +119,7 @@ def test_a_continued_completion_matches_plain_llama_with_or_without_repair(
     # a prompt that extends the reply decodes the reply within its own prefill (one batch, as a
     # cold prefill would): nothing is repaired in either mode
     assert first.repaired_tokens == second.repaired_tokens == 0
-    assert n_prompt - 1 <= second.cached_tokens <= n_prompt
+    assert aligned(skippy, n_prompt - 1) <= second.cached_tokens <= n_prompt
 
 
 def test_a_reply_left_for_another_prompt_is_repaired_and_reused(smollm2_path: Path) -> None:
@@ -138,8 +149,10 @@ def test_a_reply_left_for_another_prompt_is_repaired_and_reused(smollm2_path: Pa
         plain.close()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert other is not None and back is not None
-    assert 0 < other.repaired_tokens <= n_generated
-    assert back.tier == "l1" and back.cached_tokens > n_prompt
+    # the repair starts at the granule boundary at or before the reply
+    assert 0 < other.repaired_tokens <= n_generated + skippy.granule
+    assert back.tier == "l1"
+    assert back.cached_tokens >= aligned(skippy, n_prompt + n_generated - 3)
 
 
 def test_completion_reports_cached_tokens_and_event(smollm2_path: Path) -> None:
@@ -155,7 +168,7 @@ def test_completion_reports_cached_tokens_and_event(smollm2_path: Path) -> None:
     assert cold is not None and cold.tier == "cold" and cold.cached_tokens == 0
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm is not None and warm.tier == "l1"
-    assert warm.cached_tokens > 150  # the shared text, found in a resident sequence
+    assert warm.cached_tokens >= aligned(llm, 151)  # the shared text, found resident
     assert warm.suffix_tokens == warm.prompt_tokens - warm.cached_tokens
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == warm.cached_tokens
     assert warm.ttft_ms > 0 and warm.lookup_ms >= 0
@@ -183,8 +196,9 @@ def test_generate_and_eval_use_the_cache(smollm2_path: Path) -> None:
         llm.close()
         plain.close()
     assert got == want
-    assert event is not None and event.tier == "l1" and event.cached_tokens >= len(tokens) - 2
-    assert eval_event is not None and eval_event.cached_tokens == len(tokens) - 5
+    assert event is not None and event.tier == "l1"
+    assert event.cached_tokens >= aligned(llm, len(tokens) - 2)
+    assert eval_event is not None and eval_event.cached_tokens == aligned(llm, len(tokens) - 5)
 
 
 def test_disabled_l1_is_plain_llama(smollm2_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from modelhelpers import TEXT
+from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import Settings
 from skippy_llama.runtime.llama import SkippyLlama
@@ -66,7 +66,7 @@ def test_siblings_find_the_exact_branch_point_in_l3(tmp_path: Path, smollm2_path
     finally:
         second.close()
     assert event is not None and event.tier == "l3"
-    assert event.cached_tokens >= doc_tokens - 1  # a token may merge across the boundary
+    assert event.cached_tokens >= aligned(second, doc_tokens - 1)  # a token may merge there
 
 
 def test_a_repeated_prompt_gets_cold_logits_from_every_tier(
@@ -110,6 +110,6 @@ def test_a_repeated_prompt_gets_cold_logits_from_every_tier(
     finally:
         again.close()
     assert (tier0, tier1, tier2) == ("cold", "l1", "l3")
-    assert cached1 == cached2 == len(tokens) - 2
+    assert cached1 == cached2 == aligned(again, len(tokens) - 2)
     for logits in (logits0, logits1, logits2):
         assert (logits == cold).all()
