@@ -74,6 +74,8 @@ class CacheCounters:
     park_skipped: int = 0
     records: int = 0
     records_skipped: int = 0
+    #: L2/L3 hits served cold because the measured costs said the restore would be slower
+    restores_skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,10 @@ class PrefixCache:
         ram: RamTier | None = None,
         disk: DiskTier | None = None,
         admission: AdmissionPolicy | None = None,
+        bytes_per_token: int = 0,
     ) -> None:
         self.identity = identity
+        self.bytes_per_token = bytes_per_token
         self.root = identity.root
         self.page_tokens = page_tokens
         self.resident = resident
@@ -210,6 +214,9 @@ class PrefixCache:
             if not path.steps:
                 self.disk.note_miss()
             return None
+        if not self._restore_pays(path.n_tokens, floor):
+            self.counters.restores_skipped += 1
+            return None
         keys = [step.key for step in path.steps]
         disk = self.disk
         digests: dict[bytes, bytes | None] = {}
@@ -248,6 +255,17 @@ class PrefixCache:
                     self.ram.offer(key, page, stored, prefix_tokens=n_tokens)
         tier: Tier = "l2" if from_ram == len(payloads) else "l3"
         return LookupResult(tier, n_tokens, payloads=tuple(payloads), uses=uses, fallbacks=notes)
+
+    def _restore_pays(self, n_tokens: int, floor: int) -> bool:
+        """Whether restoring ``n_tokens`` from L2/L3 beats prefilling the ``n_tokens - floor``
+        it saves, by this machine's measured costs (a restore rebuilds the whole prefix). Until
+        both costs are measured, restores go ahead: that is how they get measured."""
+        costs = self.admission.costs if self.admission is not None else None
+        if costs is None or self.bytes_per_token <= 0:
+            return True
+        restore = costs.restore_cost(n_tokens * self.bytes_per_token)
+        cold = costs.cold_cost(n_tokens - floor)
+        return restore is None or cold is None or restore < cold
 
     def fallback(self, reason: str) -> None:
         """Count a tier fault that was turned into a shallower hit or a cold prefill."""

@@ -25,10 +25,12 @@ def get_seq_state(ctx: Any, seq_id: int) -> bytearray:
     return buf
 
 
-def set_seq_state(ctx: Any, blob: bytearray, seq_id: int) -> bool:
-    """Restore ``blob`` into sequence ``seq_id`` (which llama.cpp clears first); True on success."""
-    arr = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
-    return int(llama_cpp.llama_state_seq_set_data(ctx, arr, len(blob), seq_id)) == len(blob)
+def set_seq_state(ctx: Any, blob: bytearray, seq_id: int, size: int | None = None) -> bool:
+    """Restore the first ``size`` (default all) bytes of ``blob`` into sequence ``seq_id``,
+    which llama.cpp clears first; True on success."""
+    size = len(blob) if size is None else size
+    arr = (ctypes.c_uint8 * size).from_buffer(blob)
+    return int(llama_cpp.llama_state_seq_set_data(ctx, arr, size, seq_id)) == size
 
 
 def _checked_size(n: int, what: str) -> int:

@@ -257,6 +257,13 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
         LayoutMismatchError: a page has a different layout from the context.
         StateFormatError: pages are not consecutive from position 0.
     """
+    out = bytearray(assembled_size(pages, layout))
+    assemble_into(out, pages, layout, seq_id)
+    return out
+
+
+def assembled_size(pages: Sequence[Page], layout: KVLayout) -> int:
+    """Bytes :func:`assemble` writes for ``pages`` (checked like :func:`assemble` checks them)."""
     n = 0
     for page in pages:
         if page.start != n:
@@ -273,7 +280,16 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
         size += (
             (12 + n * layer.v_unit * layer.v_embd) if layout.v_trans else (12 + n * layer.v_unit)
         )
-    out = bytearray(size)
+    return size
+
+
+def assemble_into(out: bytearray, pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> int:
+    """:func:`assemble` into the start of a caller's buffer (reused across restores, a large
+    blob costs no fresh allocation and page faults); returns the bytes written."""
+    size = assembled_size(pages, layout)
+    if len(out) < size:
+        raise ValueError(f"buffer of {len(out)} bytes is smaller than the {size}-byte blob")
+    n = sum(page.n_tokens for page in pages)
     arr = np.frombuffer(out, dtype=np.uint8)
     struct.pack_into("<IiI", out, 0, STATE_MAGIC, seq_id, layout.n_stream)
     off = 12
@@ -316,4 +332,4 @@ def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytear
                 off = _write_rows(arr, off + 12, [page.v[il] for page in pages])
     if off != size:
         raise StateFormatError(f"assembled {off} bytes, planned {size}")  # pragma: no cover
-    return out
+    return size

@@ -152,3 +152,28 @@ def test_a_lookup_result_cut_to_fewer_tokens_keeps_whole_pages_then_a_head() -> 
     assert found.truncated(0).tier == "cold" and found.truncated(0).payloads == ()
     resident = LookupResult("l1", 90, seq_id=2).truncated(64)
     assert (resident.tier, resident.n_tokens, resident.seq_id) == ("l1", 64, 2)
+
+
+def test_a_restore_the_measured_costs_say_is_slower_than_a_prefill_is_skipped(
+    cache: PrefixCache,
+) -> None:
+    from skippy_llama.admission import AdmissionPolicy
+
+    tokens = prompt(300, 300, seed=1)
+    record(cache, tokens)
+    assert cache.disk is not None
+    cache.disk.flush()
+    cache.admission = AdmissionPolicy()
+    cache.bytes_per_token = STATE.layout.bytes_per_token
+    assert cache.lookup(tokens, 298, 0).tier == "l3"  # nothing measured yet: restore
+    costs = cache.admission.costs
+    costs.observe_prefill(1000, 0.001)  # 1 µs a token
+    costs.observe_restore(1 << 20, 1.0)  # 1 s a MiB: far slower
+    slow = cache.lookup(tokens, 298, 0)
+    assert (slow.tier, slow.n_tokens) == ("cold", 0)
+    assert cache.counters.restores_skipped == 1
+    fast = AdmissionPolicy()
+    fast.costs.observe_prefill(1000, 10.0)
+    fast.costs.observe_restore(1 << 20, 1e-6)
+    cache.admission = fast
+    assert cache.lookup(tokens, 298, 0).tier == "l3"
