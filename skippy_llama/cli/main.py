@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import SkippyError
-from . import kvcache, package, run
+from . import kvcache, package, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.register(sub)
     kvcache.register(sub)
     package.register(sub)
+    serve.register(sub)
     return parser
 
 

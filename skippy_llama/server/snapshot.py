@@ -1,0 +1,115 @@
+"""One read of the served model's cache tiers, shared by ``/metrics``, the status JSON and page.
+
+The L3 status walks the store's manifests, so a snapshot is kept for a short while: a status
+page polling every two seconds and a Prometheus scrape then cost one walk, not one each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..runtime.llama import SkippyLlama
+from ..tiers.records import DiskStatus, RamStatus
+
+L3_STATES = ("off", "active", "read_only_low_space", "degraded")
+
+
+@dataclass(frozen=True)
+class ResidentSnapshot:
+    """L1: prefixes resident in spare sequences of the live context."""
+
+    enabled: bool
+    prefixes: int = 0
+    tokens: int = 0
+    budget_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "prefixes": self.prefixes,
+            "tokens": self.tokens,
+            "budget_tokens": self.budget_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    """Every tier's size and this process's cache counters at ``taken_at``."""
+
+    taken_at: float
+    l1: ResidentSnapshot
+    l2: RamStatus | None
+    l3: DiskStatus | None
+    lookups: int = 0
+    hits: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def counters_json(self) -> dict[str, Any]:
+        return {
+            "lookups": self.lookups,
+            "hits": dict(self.hits),
+            "misses": self.misses,
+            "fallbacks": dict(self.fallbacks),
+        }
+
+
+def _copy_counter(counter: Any) -> dict[str, int]:
+    # the request thread may add a key while this thread copies
+    for _ in range(3):
+        try:
+            return {str(k): int(v) for k, v in dict(counter).items()}
+        except RuntimeError:
+            continue
+    return {}
+
+
+def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
+    """Read the tiers of ``llm`` (an empty snapshot when no model is loaded)."""
+    now = time.time()
+    if llm is None:
+        return TierSnapshot(taken_at=now, l1=ResidentSnapshot(enabled=False), l2=None, l3=None)
+    cache = llm.prefix_cache
+    resident = cache.resident
+    l1 = (
+        ResidentSnapshot(enabled=False)
+        if resident is None
+        else ResidentSnapshot(
+            enabled=True,
+            prefixes=len(resident.entries()),
+            tokens=resident.used_tokens,
+            budget_tokens=resident.budget_tokens,
+        )
+    )
+    counters = cache.counters
+    return TierSnapshot(
+        taken_at=now,
+        l1=l1,
+        l2=cache.ram.status() if cache.ram is not None else None,
+        l3=cache.disk.status() if cache.disk is not None else None,
+        lookups=counters.lookups,
+        hits=_copy_counter(counters.hits),
+        misses=counters.misses,
+        fallbacks=_copy_counter(counters.fallbacks),
+    )
+
+
+class SnapshotCache:
+    """The latest :class:`TierSnapshot`, re-read when older than ``max_age_s``."""
+
+    def __init__(self, model: Callable[[], SkippyLlama | None], max_age_s: float = 1.0) -> None:
+        self._model = model
+        self._max_age = max_age_s
+        self._lock = threading.Lock()
+        self._latest: TierSnapshot | None = None
+
+    def get(self, *, fresh: bool = False) -> TierSnapshot:
+        with self._lock:
+            latest = self._latest
+            if fresh or latest is None or time.time() - latest.taken_at > self._max_age:
+                latest = self._latest = take_snapshot(self._model())
+            return latest

@@ -1,0 +1,77 @@
+"""What the server's routes share: the model proxy, settings, metrics, history and snapshots."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_cpp.server.settings import ServerSettings
+
+from ..config import LoadedSettings
+from ..tiers.disk import DiskTier
+from .history import RequestHistory
+from .metrics import ServerMetrics, record_from_event
+from .proxy import ServedLlama, SkippyLlamaProxy
+from .snapshot import SnapshotCache
+
+
+@dataclass
+class ServingState:
+    """Everything one ``skippy-llama serve`` process holds besides the llama_cpp.server globals."""
+
+    proxy: SkippyLlamaProxy
+    cache: LoadedSettings
+    server: ServerSettings
+    model_alias: str
+    started_at: float = field(default_factory=time.time)
+    history: RequestHistory = field(default_factory=RequestHistory)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.snapshots = SnapshotCache(self.model)
+        self.metrics = ServerMetrics(self.snapshots)
+        self._close_lock = threading.Lock()
+        self._off_tier: DiskTier | None = None
+
+    def model(self) -> ServedLlama | None:
+        """The loaded model; None once the server has shut down."""
+        return None if self.closed else self.proxy.current()
+
+    def observe(self, endpoint: str, at: float, llm: ServedLlama, outcome: str) -> None:
+        """Count a finished request in the metrics and the status page's history."""
+        record = record_from_event(
+            endpoint, at, llm.last_cache_event, llm.completion_tokens(), outcome
+        )
+        self.history.add(record)
+        self.metrics.observe(record)
+
+    def status_tier(self) -> DiskTier:
+        """The model's L3 tier, or a closed ``off`` one whose status says L3 is not in use."""
+        llm = self.model()
+        disk = llm.prefix_cache.disk if llm is not None else None
+        if disk is not None:
+            return disk
+        if self._off_tier is None:
+            off = self.cache.settings.l3.model_copy(update={"mode": "off"})
+            self._off_tier = DiskTier(off, reconcile=False, close_at_exit=False)
+        return self._off_tier
+
+    def close(self) -> None:
+        """Close the model: pending L3 writes are flushed (``SkippyLlama.close``)."""
+        with self._close_lock:
+            if self.closed:
+                return
+            llm = self.proxy.current()
+            self.closed = True
+            if llm is not None:
+                llm.close()
+
+    def summary(self) -> dict[str, Any]:
+        llm = self.model()
+        return {
+            "model": self.model_alias,
+            "model_path": llm.model_path if llm is not None else None,
+            "started_at": self.started_at,
+        }
