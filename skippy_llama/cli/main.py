@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import SkippyError
-from . import kvcache, package, run, serve
+from . import batch, kvcache, package, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     kvcache.register(sub)
     package.register(sub)
     serve.register(sub)
+    batch.register(sub)
     return parser
 
 
