@@ -39,15 +39,16 @@
   function chart(recent) {
     const svg = $("chart");
     svg.replaceChildren();
+    // each point: the 10 requests up to and including that one
     const ok = recent.filter((r) => r.outcome === "ok");
-    const size = 10, points = { hit: [], share: [] };
-    for (let i = 0; i < ok.length; i += size) {
-      const win = ok.slice(i, i + size);
+    const span = 10, points = { hit: [], share: [] };
+    ok.forEach((_, i) => {
+      const win = ok.slice(Math.max(0, i + 1 - span), i + 1);
       const prompt = win.reduce((a, r) => a + r.prompt_tokens, 0);
       const cached = win.reduce((a, r) => a + r.cached_tokens, 0);
       points.hit.push(win.filter((r) => r.tier !== "cold").length / win.length);
       points.share.push(prompt ? cached / prompt : 0);
-    }
+    });
     const ns = "http://www.w3.org/2000/svg";
     for (const y of [0, 0.5, 1]) {
       const line = document.createElementNS(ns, "line");
@@ -58,12 +59,19 @@
     }
     for (const key of ["hit", "share"]) {
       const ys = points[key];
-      if (!ys.length) continue;
-      const step = ys.length > 1 ? 600 / (ys.length - 1) : 0;
+      const step = ys.length > 1 ? 580 / (ys.length - 1) : 0;
+      const xy = ys.map((y, i) => [10 + i * step, 170 - 160 * y]);
       const path = document.createElementNS(ns, "polyline");
       path.setAttribute("class", "line " + key);
-      path.setAttribute("points", ys.map((y, i) => (i * step).toFixed(1) + "," + (170 - 160 * y).toFixed(1)).join(" "));
+      path.setAttribute("points", xy.map(([x, y]) => x.toFixed(1) + "," + y.toFixed(1)).join(" "));
       svg.appendChild(path);
+      if (xy.length) {
+        const [x, y] = xy[xy.length - 1];
+        const dot = document.createElementNS(ns, "circle");
+        dot.setAttribute("class", "line " + key);
+        dot.setAttribute("cx", x.toFixed(1)); dot.setAttribute("cy", y.toFixed(1)); dot.setAttribute("r", "3");
+        svg.appendChild(dot);
+      }
     }
   }
   function render(d) {
