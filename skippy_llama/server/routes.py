@@ -200,8 +200,8 @@ async def metrics(request: Request) -> Response:
 
 def _status(state: ServingState) -> dict[str, Any]:
     tier = state.status_tier()
-    report = status_report(state.cache, tier.status(), tier)
     snap = state.snapshots.get(fresh=True)
+    report = status_report(state.cache, snap.l3 or tier.status(), tier)
     llm = state.model()
     report["kv_dtype"] = llm.kv_dtype.to_dict() if llm is not None else None
     report["l1"] = snap.l1.to_json()

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..runtime.llama import SkippyLlama
 from ..tiers.records import DiskStatus, RamStatus
@@ -58,14 +58,21 @@ class TierSnapshot:
         }
 
 
-def _copy_counter(counter: Any) -> dict[str, int]:
-    # the request thread may add a key while this thread copies
-    for _ in range(3):
+T = TypeVar("T")
+
+
+def _read(read: Callable[[], T], empty: T) -> T:
+    """``read()``, retried: the request thread may change a dict while this thread walks it."""
+    for _ in range(5):
         try:
-            return {str(k): int(v) for k, v in dict(counter).items()}
-        except RuntimeError:
+            return read()
+        except RuntimeError:  # dictionary changed size during iteration
             continue
-    return {}
+    return empty
+
+
+def _copy_counter(counter: Any) -> dict[str, int]:
+    return _read(lambda: {str(k): int(v) for k, v in dict(counter).items()}, {})
 
 
 def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
@@ -78,11 +85,14 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
     l1 = (
         ResidentSnapshot(enabled=False)
         if resident is None
-        else ResidentSnapshot(
-            enabled=True,
-            prefixes=len(resident.entries()),
-            tokens=resident.used_tokens,
-            budget_tokens=resident.budget_tokens,
+        else _read(
+            lambda: ResidentSnapshot(
+                enabled=True,
+                prefixes=len(resident.entries()),
+                tokens=resident.used_tokens,
+                budget_tokens=resident.budget_tokens,
+            ),
+            ResidentSnapshot(enabled=True, budget_tokens=resident.budget_tokens),
         )
     )
     counters = cache.counters
