@@ -14,7 +14,12 @@ same model, ``n_ctx`` 4096 and 2 threads:
 * ``llama_cpp_cache``  ``python -m llama_cpp.server --cache true`` (LlamaRAMCache, 2 GiB);
 * ``skippy``           ``skippy-llama serve`` with default settings (L1: 4 resident prefixes);
 * ``skippy_tiers``     ``skippy-llama serve --l2-budget 256MiB --l3-mode fixed --l3-budget 1GiB``
-                       on a fresh directory.
+                       on a fresh directory;
+* ``skippy_l1x8``      ``skippy-llama serve`` with ``SKIPPY_L1__MAX_PREFIXES=8`` (one resident
+                       prefix per user; L2/L3 off).
+
+For skippy the server's own view of every request (tier, restore and TTFT in the server) is
+read from ``/status.json`` before the server stops.
 
 TTFT is measured in the client: from sending the request to the first streamed chunk (both servers
 send their first chat chunk with the first generated token). Each server first answers one
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +74,10 @@ TIER_FLAGS = ("--l2-budget", "256MiB", "--l3-mode", "fixed", "--l3-budget", "1Gi
               "--l3-minimum-free", "1GiB")  # fmt: skip
 
 
+#: environment per contender (the rest inherit this process's)
+ENV = {"skippy_l1x8": {"SKIPPY_L1__MAX_PREFIXES": "8"}}
+
+
 def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
     py = sys.executable
     upstream = [py, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", "4096",
@@ -79,6 +89,7 @@ def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
         "llama_cpp_cache": [*upstream, "--cache", "true"],
         "skippy": skippy,
         "skippy_tiers": [*skippy, *TIER_FLAGS, "--l3-dir", str(scratch / "l3")],
+        "skippy_l1x8": skippy,
     }
 
 
@@ -86,7 +97,9 @@ def run_contender(
     name: str, argv: list[str], users: int, turns: int, max_tokens: int, scratch: Path
 ) -> dict[str, Any]:
     port = free_port()
-    server = ServerProcess([*argv, "--port", str(port)], port, scratch / f"{name}.log")
+    server = ServerProcess(
+        [*argv, "--port", str(port)], port, scratch / f"{name}.log", env=ENV.get(name)
+    )
     server.wait_ready()
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
     rows: list[dict[str, Any]] = []
@@ -122,12 +135,18 @@ def run_contender(
                              "text": text, "cached_tokens": cached,
                              "prompt_tokens": usage.prompt_tokens if usage else None})  # fmt: skip
         wall = time.perf_counter() - started
+        served = None
+        if name.startswith("skippy"):
+            with urllib.request.urlopen(server.base + "/status.json") as r:
+                served = json.loads(r.read())["recent"][-len(rows) :]
     finally:
         code = server.stop()
     ttfts = [r["ttft_s"] for r in rows]
     return {
         "argv": argv,
+        "env": ENV.get(name, {}),
         "exit_code": code,
+        "server_side": served,
         "rows": rows,
         "wall_s": round(wall, 3),
         "ttft_p50_s": round(statistics.median(ttfts), 4),
@@ -181,6 +200,20 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
                 a["text"] == b["text"] for a, b in zip(run["rows"], ref["rows"], strict=True)
             )
             row["identical_outputs"] = f"{same}/{len(ref['rows'])}"
+        if run.get("server_side"):
+            served = run["server_side"]
+            row["server_ttft_p50_s"] = round(
+                statistics.median(r["ttft_ms"] for r in served) / 1e3, 4
+            )
+            row["server_restore_p50_s"] = round(
+                statistics.median(r["restore_ms"] for r in served) / 1e3, 4
+            )
+            row["tiers"] = {
+                t: sum(r["tier"] == t for r in served) for t in ("l1", "l2", "l3", "cold")
+            }
+            row["suffix_tokens_p50"] = statistics.median(
+                r["prompt_tokens"] - r["cached_tokens"] for r in served
+            )
         cached = [r["cached_tokens"] for r in run["rows"] if r["cached_tokens"] is not None]
         if cached:
             prompt = sum(r["prompt_tokens"] for r in run["rows"])
@@ -189,7 +222,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     upstream = [runs[n]["ttft_p50_s"] for n in ("llama_cpp", "llama_cpp_cache") if n in runs]
     if upstream:
         best = min(upstream)
-        for name in ("skippy", "skippy_tiers"):
+        for name in ("skippy", "skippy_tiers", "skippy_l1x8"):
             if name in runs:
                 out[name]["ttft_p50_vs_best_llama_cpp"] = round(runs[name]["ttft_p50_s"] / best, 3)
                 out[name]["wall_vs_best_llama_cpp"] = round(

@@ -24,14 +24,21 @@ def free_port() -> int:
 class ServerProcess:
     """Start a server command, wait until ``/v1/models`` answers, stop it with SIGINT."""
 
-    def __init__(self, argv: list[str], port: int, log: Path, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        log: Path,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         self.log_path = log
         self.api_key = api_key
         self._log = log.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=environ)
 
     @classmethod
     def skippy(

@@ -7,6 +7,7 @@ Every answer is compared with ``SkippyLlama`` called directly with the kwargs th
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -254,6 +255,35 @@ def test_prune_and_clear_from_loopback(server: ServerProcess) -> None:
     code, body = _post(server, "/v1/kv-cache/clear", {})
     assert code == 200
     assert _get(server, "/v1/kv-cache/status")["usage"]["manifests"] == 0
+
+
+def _outward_address() -> str | None:
+    """A non-loopback IPv4 address of this machine (no packet leaves it), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the outgoing interface
+            address = str(sock.getsockname()[0])
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_prune_and_clear_refuse_other_hosts_without_a_key(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    server = ServerProcess.skippy(smollm2_path, tmp_path / "log", "--host", address)
+    server.base = f"http://{address}:{server.port}"
+    server.wait_ready()
+    try:
+        code, body = _post(server, "/v1/kv-cache/clear", {})
+        assert code == 403 and "loopback" in body["detail"]
+        assert _post(server, "/v1/kv-cache/prune", {})[0] == 403
+        assert _get(server, "/v1/kv-cache/status")["effective"]["state"] == "off"
+    finally:
+        assert server.stop() == 0
 
 
 def test_api_key(smollm2_path: Path, tmp_path: Path) -> None:
