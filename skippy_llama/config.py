@@ -131,6 +131,10 @@ class L3Settings(BaseModel):
     )
     minimum_free: Size = 16 * GiB
     writer_queue: int = Field(64, ge=1, le=4096, description="pending background writes")
+    shared_group: bool = Field(
+        False,
+        description="accept a store directory its group may write (everyone in it is trusted)",
+    )
     compression: Compression = Field(
         "zstd", description="how pages are stored: zstd (lossless, byte-shuffled) or none"
     )

@@ -13,6 +13,8 @@ know, which the tier treats as a miss.
 
 from __future__ import annotations
 
+import struct
+
 import blosc
 
 from ..config import Compression
@@ -27,6 +29,9 @@ _TYPESIZE = 2
 
 # The background writer compresses while llama.cpp decodes on the request thread: release the GIL
 # and use one blosc thread, so compression never competes with the decode for more than a core.
+#: KV bytes one token may take (all layers, K and V): a bound, generous for any model
+MAX_TOKEN_BYTES = 2 << 20
+
 blosc.set_releasegil(True)
 blosc.set_nthreads(1)
 
@@ -41,8 +46,11 @@ def encode(payload: bytes, codec: Compression) -> bytes:
     return _ZSTD_MAGIC + frame
 
 
-def decode(stored: bytes) -> bytes:
+def decode(stored: bytes, n_tokens: int | None = None) -> bytes:
     """The page bytes held in ``stored`` (whatever codec wrote it).
+
+    ``n_tokens``, the page's token count from its metadata, bounds what a compressed frame may
+    claim to decompress to, so a forged header cannot make a read allocate gigabytes.
 
     Raises:
         UnknownCodecError: the payload names no codec this build reads.
@@ -53,8 +61,16 @@ def decode(stored: bytes) -> bytes:
         return stored
     if magic != _ZSTD_MAGIC:
         raise UnknownCodecError(f"stored page has unknown codec magic {bytes(magic)!r}")
+    frame = memoryview(stored)[4:]
+    if len(frame) < 16:
+        raise StateFormatError("compressed page is shorter than its frame header")
+    # blosc1 header: version, versionlz, flags, typesize (1 byte each), then nbytes (u32 LE)
+    (declared,) = struct.unpack_from("<I", frame, 4)
+    limit = (n_tokens if n_tokens is not None else 8192) * MAX_TOKEN_BYTES + (1 << 20)
+    if declared > limit:
+        raise StateFormatError(f"compressed page claims {declared} bytes, over {limit}")
     try:
-        out: bytes = blosc.decompress(memoryview(stored)[4:])
+        out: bytes = blosc.decompress(frame)
     except Exception as exc:  # blosc raises RuntimeError/ValueError/TypeError on a bad frame
         raise StateFormatError(f"compressed page does not decode: {exc}") from exc
     return out

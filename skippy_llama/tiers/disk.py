@@ -73,6 +73,7 @@ from .records import (
     PruneResult,
     Reconciliation,
 )
+from .safedisk import SafeCache, UntrustedDirectoryError, check_directory
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), None where unknown."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _is_lock_error(exc: BaseException) -> bool:
     if isinstance(exc, diskcache.Timeout):
         return True
@@ -295,8 +306,16 @@ class DiskTier:
         if settings.mode == "off":
             return  # off touches nothing on disk, not even the directory
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._cache = diskcache.Cache(
+            check_directory(self.directory, shared_group=settings.shared_group)
+        except UntrustedDirectoryError as exc:
+            self._set_state("degraded", "storage_untrusted")
+            self.error = str(exc)
+            log.warning("L3 refused: %s; continuing without it", exc)
+            return
+        except OSError:
+            pass  # an unusable path is reported below as storage_unavailable
+        try:
+            self._cache = SafeCache(
                 str(self.directory),
                 timeout=timeout,
                 eviction_policy="none",  # we evict (LRU manifests, pins, probation)
@@ -462,7 +481,12 @@ class DiskTier:
         if self._cache is None:
             return b""
         token = os.urandom(KEY_BYTES)
-        value: dict[str, Any] = {"pid": self._pid, "host": self._host, "at": time.time()}
+        value: dict[str, Any] = {
+            "pid": self._pid,
+            "start": _start_time(self._pid),
+            "host": self._host,
+            "at": time.time(),
+        }
         value["keys"] = [key.hex() for key in keys]
         try:
             with self._store_lock:
@@ -518,8 +542,13 @@ class DiskTier:
                 continue
             try:
                 pin = json.loads(raw)
-                local = pin.get("host") == self._host
-                alive = _pid_alive(int(pin["pid"])) if local else now - pin["at"] < PIN_LEASE_S
+                same_host = pin.get("host") == self._host
+                # a lease bounds every pin; on this host the owner must also still run, as the
+                # same process (a pid reused by another process does not keep pages pinned)
+                alive = now - float(pin["at"]) < PIN_LEASE_S and (
+                    not same_host
+                    or (_pid_alive(int(pin["pid"])) and pin.get("start") == _start_time(pin["pid"]))
+                )
                 keys = [bytes.fromhex(k) for k in pin["keys"]]
             except (ValueError, KeyError, TypeError):
                 alive, keys = False, []
@@ -551,6 +580,11 @@ class DiskTier:
         return out
 
     # ------------------------------------------------------------------ lookup API
+
+    @property
+    def untrusted_rows(self) -> int:
+        """Rows L3 did not write (pickled or text keys/values, foreign file names), dropped."""
+        return int(self._cache.untrusted_rows) if self._cache is not None else 0
 
     @property
     def serving(self) -> bool:
@@ -654,7 +688,7 @@ class DiskTier:
                     self._quarantine(key, "digest_mismatch")
                     break
                 try:
-                    page = decode(payload)
+                    page = decode(payload, meta.n_tokens)
                 except UnknownCodecError:
                     self._count("unknown_codec")  # another version's data: a miss, kept
                     break

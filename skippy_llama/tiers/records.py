@@ -14,7 +14,9 @@ from typing import Any, Literal
 KEY_BYTES = 16
 
 DiskState = Literal["off", "active", "read_only_low_space", "degraded"]
-DegradedReason = Literal["storage_unavailable", "budget_below_entry_floor", "storage_error"]
+DegradedReason = Literal[
+    "storage_unavailable", "storage_untrusted", "budget_below_entry_floor", "storage_error"
+]
 
 
 @dataclass(frozen=True)

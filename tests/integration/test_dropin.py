@@ -25,28 +25,37 @@ from skippy_llama.runtime import llama as runtime
 from skippy_llama.runtime import native
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.workload import SYSTEM_PROMPT
 
 pytestmark = pytest.mark.model
 
 OTHER = "A recipe for bread: flour, water, salt and yeast, kneaded and left to rise. " * 6
 
 
-def _pair(path: Path, **kwargs: Any) -> tuple[llama_cpp.Llama, SkippyLlama]:
-    plain = llama_cpp.Llama(str(path), n_ctx=1024, verbose=False, **kwargs)
-    skippy = SkippyLlama(str(path), n_ctx=1024, verbose=False, cache_settings=Settings(), **kwargs)
-    return plain, skippy
+def _run(
+    make: Callable[..., llama_cpp.Llama], script: Callable[[llama_cpp.Llama], list[Any]]
+) -> tuple[list[Any], llama_cpp.Llama]:
+    llm = make()
+    try:
+        return script(llm), llm
+    finally:
+        llm.close()
 
 
 def _both(
-    path: Path, script: Callable[[llama_cpp.Llama], list[Any]], **kwargs: Any
+    path: Path,
+    script: Callable[[llama_cpp.Llama], list[Any]],
+    n_ctx: int = 1024,
+    **kwargs: Any,
 ) -> tuple[list[Any], list[Any], SkippyLlama]:
-    plain, skippy = _pair(path, **kwargs)
-    try:
-        want = script(plain)
-        got = script(skippy)
-    finally:
-        plain.close()
-        skippy.close()
+    """``script``'s results on a cold reference and on SkippyLlama (plain Llama checked too)."""
+    args = {"n_ctx": n_ctx, "verbose": False, **kwargs}
+    want, _ = _run(lambda: ColdLlama(str(path), **args), script)
+    got, skippy = _run(lambda: SkippyLlama(str(path), cache_settings=Settings(), **args), script)
+    assert isinstance(skippy, SkippyLlama)
+    if skippy.granule == 1:
+        plain, _ = _run(lambda: llama_cpp.Llama(str(path), **args), script)
+        assert plain == want
     return want, got, skippy
 
 
@@ -288,9 +297,12 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
     def script(llm: llama_cpp.Llama) -> list[Any]:
         out = []
         for content in ("Tell me about tides.", "How is bread made?", "Why two tides a day?"):
-            reply = llm.create_chat_completion(
-                messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
-            )
+            # a long shared system prompt: every chat leaves an exact part to checkpoint
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": content},
+            ]
+            reply = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
             out.append(reply["choices"][0]["message"]["content"])
         return out
 
