@@ -298,9 +298,10 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
         out = []
         for content in ("Tell me about tides.", "How is bread made?", "Why two tides a day?"):
             # a long shared system prompt: every chat leaves an exact part to checkpoint
+            # and user messages long enough to leave it past a canonical batch boundary
             messages = [
                 {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": content},
+                {"role": "user", "content": content + " Please explain it in detail." * 12},
             ]
             reply = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
             out.append(reply["choices"][0]["message"]["content"])
