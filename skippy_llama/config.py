@@ -157,6 +157,19 @@ class L3Settings(BaseModel):
         return self
 
 
+class NativeSettings(BaseModel):
+    """Skippy's patched llama.cpp calls (range export, append import), see ``patches/``."""
+
+    model_config = ConfigDict(extra="forbid")
+    allow_uncertified: bool = Field(
+        False,
+        description=(
+            "use the patched calls even where roster/split-certified.json does not certify the "
+            "loaded library's recipe and the model's architecture/backend/KV layout"
+        ),
+    )
+
+
 class Settings(BaseSettings):
     """All skippy-llama cache settings.
 
@@ -175,6 +188,7 @@ class Settings(BaseSettings):
     l1: L1Settings = Field(default_factory=lambda: L1Settings())
     l2: L2Settings = Field(default_factory=L2Settings)
     l3: L3Settings = Field(default_factory=lambda: L3Settings())
+    native: NativeSettings = Field(default_factory=NativeSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -39,3 +39,7 @@ class PackageError(SkippyError, ValueError):
 
 class ModelNotFoundError(SkippyError, FileNotFoundError):
     """The requested GGUF model is not available; the message says how to get it."""
+
+
+class RosterError(SkippyError, ValueError):
+    """The patch queue or the split-certified roster is missing, malformed or inconsistent."""

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Build llama-cpp-python 0.3.36 with skippy-llama's native patch queue (patches/series) applied.
+#
+#   scripts/build_patched_llama.sh            build (or reuse) the patched wheel; prints its path last
+#   scripts/build_patched_llama.sh apply DIR  unpack a fresh sdist into DIR and apply the queue only
+#
+# CPU by default; pass the backend through CMAKE_ARGS as for a plain llama-cpp-python install, e.g.
+#   CMAKE_ARGS="-DGGML_CUDA=on" | "-DGGML_VULKAN=on" | "-DGGML_METAL=on"
+# Install the result with: .venv/bin/pip install --force-reinstall --no-deps "$(scripts/build_patched_llama.sh | tail -1)"
+#
+# Idempotent and cached: the sdist is downloaded once, and a wheel is kept per (patch-queue digest,
+# CMAKE_ARGS) under ${SKIPPY_LLAMA_CACHE:-~/.cache/skippy-llama}; a changed patch builds a new one.
+# The queue digest is compiled into the library (skippy_patch_queue_sha256), so the runtime can match
+# the loaded library against roster/split-certified.json exactly.
+# Environment: PYTHON (default python3) builds; CMAKE_BUILD_PARALLEL_LEVEL (default 2).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+CACHE="${SKIPPY_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/skippy-llama}"
+
+roster() { PYTHONPATH="$ROOT" "$PYTHON" -c "import skippy_llama.roster as r; print($1)"; }
+VERSION="$(roster r.LLAMA_CPP_PYTHON_VERSION)"
+DIGEST="$(roster 'r.queue_digest()')"
+SDIST="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
+
+fetch_sdist() {
+  if [ ! -f "$SDIST" ]; then
+    echo "build_patched_llama: downloading the llama-cpp-python==$VERSION sdist" >&2
+    mkdir -p "$CACHE/sdist"
+    "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+  fi
+}
+
+# unpack a fresh sdist into $1 and apply the series; fails loudly on any patch that does not apply
+apply_queue() {
+  local dest="$1" src
+  fetch_sdist
+  mkdir -p "$dest"
+  tar -xzf "$SDIST" -C "$dest"
+  src="$dest/llama_cpp_python-$VERSION"
+  while IFS= read -r name || [ -n "$name" ]; do
+    case "$name" in ''|'#'*) continue ;; esac
+    # --fuzz=0: a patch applies exactly or not at all
+    if ! (cd "$src" && patch -p1 --batch --fuzz=0 --dry-run --quiet < "$ROOT/patches/$name" > /dev/null); then
+      echo "build_patched_llama: patches/$name does not apply to llama-cpp-python $VERSION" >&2
+      return 1
+    fi
+    (cd "$src" && patch -p1 --batch --fuzz=0 --quiet < "$ROOT/patches/$name" >&2)
+  done < "$ROOT/patches/series"
+  printf '#pragma once\n// written by skippy-llama scripts/build_patched_llama.sh\n#define SKIPPY_PATCH_QUEUE_SHA256 "%s"\n' \
+    "$DIGEST" > "$src/vendor/llama.cpp/src/skippy-queue.h"
+  echo "$src"
+}
+
+if [ "${1:-}" = "apply" ]; then
+  [ $# -eq 2 ] || { echo "usage: $0 apply DIR" >&2; exit 2; }
+  apply_queue "$2"
+  exit 0
+fi
+[ $# -eq 0 ] || { echo "usage: $0 [apply DIR]" >&2; exit 2; }
+
+FLAVOR="$(printf '%s' "${CMAKE_ARGS:-}" | sha256sum | cut -c1-12)"
+OUT="$CACHE/wheels/$VERSION-${DIGEST:0:16}-$FLAVOR"
+if compgen -G "$OUT/*.whl" > /dev/null; then
+  echo "build_patched_llama: reusing the cached wheel for queue ${DIGEST:0:12}" >&2
+  ls "$OUT"/*.whl | head -1
+  exit 0
+fi
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+SRC="$(apply_queue "$WORK" | tail -1)"
+echo "build_patched_llama: building the patched wheel (queue ${DIGEST:0:12}, CMAKE_ARGS='${CMAKE_ARGS:-}'); minutes" >&2
+CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
+  nice -n 10 "$PYTHON" -m pip wheel --quiet --no-deps --no-cache-dir -w "$WORK/wheel" "$SRC" >&2
+mkdir -p "$CACHE/wheels"
+rm -rf "$OUT.tmp"
+mv "$WORK/wheel" "$OUT.tmp"
+mv "$OUT.tmp" "$OUT"
+ls "$OUT"/*.whl | head -1

@@ -1,0 +1,323 @@
+"""The native recipe, the split-certified roster and the verdict that joins them (pure: no llama.cpp).
+
+A *recipe* names the native library exactly: the llama-cpp-python version, the llama.cpp commit it
+vendors, the skippy ABI version and the SHA-256 of the patch queue in ``patches/``. The *roster*
+(``roster/split-certified.json``, written only by ``scripts/certify.py``) holds the recipe it was
+certified for and one row per (architecture, backend, K/V types, flash attention) with the lanes
+that passed on a real model. The *verdict* says which paths the runtime may take for the model it
+loaded: ``certified`` (the row's lanes), ``stock`` (no patched symbols: today's state calls),
+``uncertified`` (patched, but not certified for this recipe and row: stock paths) or
+``uncertified_override`` (the same, with ``native.allow_uncertified`` set: patched paths anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import RosterError
+from .state.layout import KVLayout, type_name
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# from the sdist's CHANGELOG.md ("update llama.cpp to ggml-org/llama.cpp@0c1e57098"): the sdist
+# ships the sources without git metadata, so the library itself cannot report it
+LLAMA_CPP_COMMIT = "0c1e57098"
+# the version of the skippy_* C calls that runtime/native_ext.py speaks
+SKIPPY_ABI_VERSION = 1
+ROSTER_FORMAT = 1
+_QUEUE_TAG = b"skippy-llama patch queue v1"
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PATCHES_DIR = REPO_ROOT / "patches"
+ROSTER_PATH = REPO_ROOT / "roster" / "split-certified.json"
+
+LANES = (
+    "page_restore_exact",
+    "l1_stream_copy_exact",
+    "range_export_slice",
+    "append_import_exact",
+    "restart_exact",
+)
+"""Certification lanes; ``range_export_slice`` gates range capture, ``append_import_exact`` append."""
+
+VerdictKind = Literal["certified", "stock", "uncertified", "uncertified_override"]
+
+
+def queue_patches(patches_dir: Path = PATCHES_DIR) -> list[Path]:
+    """The patch files named by ``patches_dir/series``, in series order (checked to exist)."""
+    series = patches_dir / "series"
+    if not series.is_file():
+        raise RosterError(f"patch queue {str(patches_dir)!r} has no series file")
+    names = [
+        line.strip()
+        for line in series.read_text("utf-8").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    paths: list[Path] = []
+    for name in names:
+        path = patches_dir / name
+        if "/" in name or not path.is_file():
+            raise RosterError(f"series names {name!r}, which is not a file in {patches_dir}")
+        paths.append(path)
+    if not paths:
+        raise RosterError(f"patch queue {str(patches_dir)!r} is empty")
+    return paths
+
+
+def queue_digest(patches_dir: Path = PATCHES_DIR) -> str:
+    """SHA-256 over a version tag, the patch count and each patch's name and bytes, in series order.
+
+    Lengths prefix every field, so renaming, reordering, adding or editing a patch changes it.
+    """
+    paths = queue_patches(patches_dir)
+    h = hashlib.sha256(_QUEUE_TAG)
+    h.update(len(paths).to_bytes(4, "little"))
+    for path in paths:
+        name = path.name.encode("utf-8")
+        data = path.read_bytes()
+        h.update(len(name).to_bytes(4, "little") + name)
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the native library's behaviour, as the roster records it."""
+
+    llama_cpp_python: str
+    llama_cpp_commit: str
+    skippy_abi: int
+    queue_sha256: str
+
+    def describe(self) -> str:
+        return (
+            f"llama-cpp-python {self.llama_cpp_python} (llama.cpp {self.llama_cpp_commit}), "
+            f"skippy ABI {self.skippy_abi}, patch queue {self.queue_sha256[:12]}"
+        )
+
+
+def expected_recipe(patches_dir: Path = PATCHES_DIR) -> Recipe:
+    """The recipe a build of this checkout's patch queue has."""
+    return Recipe(
+        LLAMA_CPP_PYTHON_VERSION, LLAMA_CPP_COMMIT, SKIPPY_ABI_VERSION, queue_digest(patches_dir)
+    )
+
+
+@dataclass(frozen=True)
+class RowKey:
+    """What certification is specific to: the model architecture and the live KV layout."""
+
+    architecture: str
+    backend: str
+    type_k: str
+    type_v: str
+    flash_attn: bool
+
+    def describe(self) -> str:
+        fa = "on" if self.flash_attn else "off"
+        return f"{self.architecture} on {self.backend}, K {self.type_k} / V {self.type_v}, flash attention {fa}"
+
+
+def row_key(architecture: str, backend: str, layout: KVLayout) -> RowKey:
+    """The roster row a model runs under, from its live KV layout (V transposed = flash attention off)."""
+    first = layout.layers[0] if layout.layers else None
+    return RowKey(
+        architecture=architecture,
+        backend=backend,
+        type_k=type_name(first.k_type) if first else "none",
+        type_v=type_name(first.v_type) if first else "none",
+        flash_attn=not layout.v_trans,
+    )
+
+
+@dataclass(frozen=True)
+class RosterRow:
+    """One certified (architecture, backend, K/V, flash attention) combination and its lanes."""
+
+    key: RowKey
+    lanes: tuple[str, ...]
+    model: str
+    model_sha256: str
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The recipe certification ran on and the rows it certified."""
+
+    recipe: Recipe
+    rows: tuple[RosterRow, ...]
+
+    def row(self, key: RowKey) -> RosterRow | None:
+        return next((row for row in self.rows if row.key == key), None)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": ROSTER_FORMAT,
+            "generated_by": "scripts/certify.py (never edit by hand)",
+            "recipe": asdict(self.recipe),
+            "rows": [
+                {**asdict(row.key), "lanes": list(row.lanes), "model": row.model, "model_sha256": row.model_sha256}
+                for row in sorted(self.rows, key=lambda r: json.dumps(asdict(r.key), sort_keys=True))
+            ],
+        }
+        return json.dumps(doc, indent=2, sort_keys=False) + "\n"
+
+
+def parse_roster(text: str, where: str = "roster") -> Roster:
+    """Parse and check a roster document; anything unexpected is a :class:`RosterError`."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise RosterError(f"{where} is not JSON: {exc}") from exc
+    if not isinstance(doc, Mapping) or doc.get("format") != ROSTER_FORMAT:
+        raise RosterError(f"{where} is not a roster of format {ROSTER_FORMAT}")
+    recipe_doc = _mapping(doc.get("recipe"), f"{where}: recipe")
+    recipe = Recipe(
+        llama_cpp_python=_str(recipe_doc, "llama_cpp_python", where),
+        llama_cpp_commit=_str(recipe_doc, "llama_cpp_commit", where),
+        skippy_abi=_int(recipe_doc, "skippy_abi", where),
+        queue_sha256=_str(recipe_doc, "queue_sha256", where),
+    )
+    rows_doc = doc.get("rows")
+    if not isinstance(rows_doc, Sequence) or isinstance(rows_doc, str):
+        raise RosterError(f"{where}: rows must be a list")
+    rows: list[RosterRow] = []
+    for i, item in enumerate(rows_doc):
+        row = _mapping(item, f"{where}: rows[{i}]")
+        lanes = row.get("lanes")
+        if not isinstance(lanes, list) or not all(lane in LANES for lane in lanes):
+            raise RosterError(f"{where}: rows[{i}].lanes must list lanes among {', '.join(LANES)}")
+        flash = row.get("flash_attn")
+        if not isinstance(flash, bool):
+            raise RosterError(f"{where}: rows[{i}].flash_attn must be true or false")
+        key = RowKey(
+            architecture=_str(row, "architecture", where),
+            backend=_str(row, "backend", where),
+            type_k=_str(row, "type_k", where),
+            type_v=_str(row, "type_v", where),
+            flash_attn=flash,
+        )
+        rows.append(RosterRow(key, tuple(lanes), _str(row, "model", where), _str(row, "model_sha256", where)))
+    return Roster(recipe, tuple(rows))
+
+
+def load_roster(path: Path = ROSTER_PATH) -> Roster | None:
+    """The roster at ``path``; None when there is none. A malformed one raises :class:`RosterError`."""
+    try:
+        text = path.read_text("utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RosterError(f"cannot read roster {str(path)!r}: {exc}") from exc
+    return parse_roster(text, str(path))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the runtime may do with the native library for one loaded model."""
+
+    kind: VerdictKind
+    reason: str
+    lanes: tuple[str, ...] = ()
+    recipe: Recipe | None = None
+
+    def allows(self, lane: str) -> bool:
+        """Whether the patched path that ``lane`` certifies may be used."""
+        if self.kind == "uncertified_override":
+            return True
+        return self.kind == "certified" and lane in self.lanes
+
+    @property
+    def range_export(self) -> bool:
+        return self.allows("range_export_slice")
+
+    @property
+    def append_import(self) -> bool:
+        return self.allows("append_import_exact")
+
+    def describe(self) -> str:
+        recipe = self.recipe.describe() if self.recipe else "stock llama-cpp-python"
+        return f"{self.kind}: {self.reason} [{recipe}]"
+
+
+def decide(
+    library: Recipe | None, roster: Roster | None, key: RowKey, *, allow_uncertified: bool = False
+) -> Verdict:
+    """Compare the loaded library's recipe and the model's row with the roster.
+
+    ``library`` is None for a stock build (no skippy symbols). A patched build whose ABI this
+    skippy-llama does not speak is treated as stock: its calls cannot be made safely at all.
+    """
+    if library is None:
+        return Verdict("stock", "the llama.cpp library has no skippy patches")
+    if library.skippy_abi != SKIPPY_ABI_VERSION:
+        return Verdict(
+            "stock",
+            f"the library's skippy ABI {library.skippy_abi} is not {SKIPPY_ABI_VERSION}, "
+            "the one this skippy-llama speaks",
+            recipe=library,
+        )
+    problem = _uncertified_reason(library, roster, key)
+    if problem is None:
+        assert roster is not None
+        row = roster.row(key)
+        assert row is not None
+        return Verdict("certified", f"{key.describe()} is certified", row.lanes, library)
+    if allow_uncertified:
+        return Verdict("uncertified_override", f"{problem}; native.allow_uncertified is set", recipe=library)
+    return Verdict("uncertified", f"{problem}; using the stock paths", recipe=library)
+
+
+def _uncertified_reason(library: Recipe, roster: Roster | None, key: RowKey) -> str | None:
+    if roster is None:
+        return "there is no roster"
+    if roster.recipe != library:
+        diffs = [
+            f"{name} {getattr(library, name)!r} (roster: {getattr(roster.recipe, name)!r})"
+            for name in ("llama_cpp_python", "llama_cpp_commit", "skippy_abi", "queue_sha256")
+            if getattr(library, name) != getattr(roster.recipe, name)
+        ]
+        return "the roster certifies another recipe: " + ", ".join(diffs)
+    if roster.row(key) is None:
+        return f"{key.describe()} is not certified"
+    return None
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise RosterError(f"{what} must be an object")
+    return value
+
+
+def _str(doc: Mapping[str, Any], name: str, where: str) -> str:
+    value = doc.get(name)
+    if not isinstance(value, str) or not value:
+        raise RosterError(f"{where}: {name} must be a non-empty string")
+    return value
+
+
+def _int(doc: Mapping[str, Any], name: str, where: str) -> int:
+    value = doc.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RosterError(f"{where}: {name} must be an integer")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m skippy_llama.roster digest [PATCHES_DIR]``: print the patch-queue digest."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "digest" or len(args) > 2:
+        print("usage: python -m skippy_llama.roster digest [PATCHES_DIR]", file=sys.stderr)
+        return 2
+    print(queue_digest(Path(args[1]) if len(args) == 2 else PATCHES_DIR))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
