@@ -141,7 +141,7 @@ class RosterRow:
     key: RowKey
     lanes: tuple[str, ...]
     model: str
-    model_sha256: str
+    model_digest: str
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,15 @@ class Roster:
             "generated_by": "scripts/certify.py (never edit by hand)",
             "recipe": asdict(self.recipe),
             "rows": [
-                {**asdict(row.key), "lanes": list(row.lanes), "model": row.model, "model_sha256": row.model_sha256}
-                for row in sorted(self.rows, key=lambda r: json.dumps(asdict(r.key), sort_keys=True))
+                {
+                    **asdict(row.key),
+                    "lanes": list(row.lanes),
+                    "model": row.model,
+                    "model_digest": row.model_digest,
+                }
+                for row in sorted(
+                    self.rows, key=lambda r: json.dumps(asdict(r.key), sort_keys=True)
+                )
             ],
         }
         return json.dumps(doc, indent=2, sort_keys=False) + "\n"
@@ -201,7 +208,11 @@ def parse_roster(text: str, where: str = "roster") -> Roster:
             type_v=_str(row, "type_v", where),
             flash_attn=flash,
         )
-        rows.append(RosterRow(key, tuple(lanes), _str(row, "model", where), _str(row, "model_sha256", where)))
+        rows.append(
+            RosterRow(
+                key, tuple(lanes), _str(row, "model", where), _str(row, "model_digest", where)
+            )
+        )
     return Roster(recipe, tuple(rows))
 
 
@@ -268,7 +279,9 @@ def decide(
         assert row is not None
         return Verdict("certified", f"{key.describe()} is certified", row.lanes, library)
     if allow_uncertified:
-        return Verdict("uncertified_override", f"{problem}; native.allow_uncertified is set", recipe=library)
+        return Verdict(
+            "uncertified_override", f"{problem}; native.allow_uncertified is set", recipe=library
+        )
     return Verdict("uncertified", f"{problem}; using the stock paths", recipe=library)
 
 

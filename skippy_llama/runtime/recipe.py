@@ -59,8 +59,9 @@ def native_verdict(
     if layout is None:
         if library is None:
             return Verdict("stock", "the llama.cpp library has no skippy patches")
-        kind = "uncertified_override" if allow_uncertified else "uncertified"
-        return Verdict(kind, "the live KV layout is unknown", recipe=library)
+        if allow_uncertified:
+            return Verdict("uncertified_override", "the live KV layout is unknown", recipe=library)
+        return Verdict("uncertified", "the live KV layout is unknown", recipe=library)
     key = row_key(architecture, backend, layout)
     try:
         roster = load_roster(roster_path)

@@ -1,0 +1,316 @@
+"""Certify the patched llama.cpp on real models and write roster/split-certified.json.
+
+    python scripts/certify.py            run every lane per model and KV layout, write the roster
+    python scripts/certify.py --check    fail (exit 1) when the roster does not match this checkout's
+                                         patch queue and recipe, was edited by hand, or (on a patched
+                                         library) the loaded library was built from another queue
+
+Certification needs the library built by scripts/build_patched_llama.sh from this checkout's queue
+(its recipe is the one the roster records). Each lane is a real run on the model whose
+content digest the row records; a row lists only the lanes that passed:
+
+  page_restore_exact   prefix cut into pages, reassembled, restored with set_data: suffix logits
+                       bit-identical to a cold prefill
+  range_export_slice   range exports equal, byte for byte, the matching slice of a full export
+  append_import_exact  a resident prefix continued by append import gives bit-identical logits,
+                       and non-continuing blobs are refused with the sequence untouched
+  restart_exact        pages written to disk restore exactly in a fresh process
+  (l1_stream_copy_exact is certified by the runtime's own tests, not here: the L1 seam is being
+   rewritten)
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from skippy_llama.errors import RosterError  # noqa: E402
+from skippy_llama.identity import file_digest  # noqa: E402
+from skippy_llama.models import default_model_path  # noqa: E402
+from skippy_llama.roster import (  # noqa: E402
+    PATCHES_DIR,
+    ROSTER_PATH,
+    Roster,
+    RosterRow,
+    expected_recipe,
+    load_roster,
+    parse_roster,
+    row_key,
+)
+from skippy_llama.runtime import native, native_ext  # noqa: E402
+from skippy_llama.runtime.recipe import library_recipe  # noqa: E402
+from skippy_llama.state import (  # noqa: E402
+    assemble,
+    cut_pages,
+    page_from_bytes,
+    parse_state,
+    slice_state,
+)
+from skippy_llama.state.pages import Page  # noqa: E402
+
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as "
+    "his father had done before him. At the top he trimmed the wick, polished the great lens and "
+    "wound the clockwork that turned the light; ships far out at sea watched for its pulse. "
+)
+PAGE = 64
+# prefix pages, a continuation, and a suffix whose logits are compared
+SPLIT = (128, 192, 300)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    type_k: int
+    type_v: int
+    flash_attn: bool
+
+
+F16, Q8_0 = 1, 8
+LAYOUTS = (
+    Layout("f16-fa_off", F16, F16, False),
+    Layout("f16-fa_on", F16, F16, True),
+)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    path: Path
+
+
+def _models() -> list[Model]:
+    return [Model("SmolLM2-135M-Instruct.Q4_1", default_model_path())]
+
+
+def _llama(model: Path, layout: Layout) -> llama_cpp.Llama:
+    return llama_cpp.Llama(
+        str(model), n_ctx=1024, n_batch=512, type_k=layout.type_k, type_v=layout.type_v,
+        flash_attn=layout.flash_attn, verbose=False,
+    )  # fmt: skip
+
+
+def _logits(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+def _continue(llm: llama_cpp.Llama, tokens: list[int], done: int) -> np.ndarray[Any, Any]:
+    """Tell llama_cpp the first ``done`` tokens are in the cache, decode the rest, return logits."""
+    llm.input_ids[:done] = tokens[:done]
+    llm.n_tokens = done
+    llm.eval(tokens[done:])
+    return _logits(llm)
+
+
+class Run:
+    """One model and layout: a cold context that decoded the text in the lanes' batch shapes."""
+
+    def __init__(self, model: Model, layout: Layout) -> None:
+        self.model, self.layout = model, layout
+        self.cold = _llama(model.path, layout)
+        self.tokens = self.cold.tokenize((TEXT * 4).encode())[: SPLIT[2]]
+        a, b, c = SPLIT
+        for lo, hi in ((0, a), (a, b), (b, c)):
+            self.cold.eval(self.tokens[lo:hi])
+        self.reference = _logits(self.cold)
+        self.full = parse_state(native.get_seq_state(self.cold.ctx, 0))
+
+    def warm(self) -> llama_cpp.Llama:
+        return _llama(self.model.path, self.layout)
+
+    def close(self) -> None:
+        self.cold.close()
+
+
+def lane_page_restore(run: Run) -> bool:
+    pages = [page_from_bytes(p.to_bytes()) for p in cut_pages(run.full, PAGE)]
+    blob = assemble(pages[: SPLIT[1] // PAGE], run.full.layout, seq_id=0)
+    warm = run.warm()
+    try:
+        warm.eval(run.tokens[: SPLIT[0]])  # something else in the sequence: set_data clears it
+        if not native.set_seq_state(warm.ctx, blob, 0):
+            return False
+        return bool(np.array_equal(_continue(warm, run.tokens, SPLIT[1]), run.reference))
+    finally:
+        warm.close()
+
+
+def lane_range_export(run: Run) -> bool:
+    n = run.full.n_tokens
+    for p0, p1 in ((0, PAGE), (PAGE, 3 * PAGE), (3 * PAGE, n), (5, -1)):
+        end = n if p1 < 0 else p1
+        part = parse_state(native_ext.range_export(run.cold.ctx, 0, p0, p1))
+        want = np.arange(p0, end, dtype=np.int32)
+        if part.layout != run.full.layout or not np.array_equal(part.positions, want):
+            return False
+        page = Page(p0, part.n_tokens, part.layout, part.ext, part.k, part.v)
+        if page.to_bytes() != slice_state(run.full, p0, end).to_bytes():
+            return False
+    return True
+
+
+def lane_append_import(run: Run) -> bool:
+    a, b, _ = SPLIT
+    good = native_ext.range_export(run.cold.ctx, 0, a, b)
+    bad = [
+        native_ext.range_export(run.cold.ctx, 0, a + 8, b),
+        native_ext.range_export(run.cold.ctx, 0, a - 8, b),
+        good[:-4096],
+    ]
+    warm = run.warm()
+    try:
+        warm.eval(run.tokens[:a])
+        before = bytes(native.get_seq_state(warm.ctx, 0))
+        for blob in bad:
+            if native_ext.append_import(warm.ctx, blob, 0):
+                return False
+            if bytes(native.get_seq_state(warm.ctx, 0)) != before:
+                return False
+        if not native_ext.append_import(warm.ctx, good, 0):
+            return False
+        return bool(np.array_equal(_continue(warm, run.tokens, b), run.reference))
+    finally:
+        warm.close()
+
+
+def lane_restart(run: Run) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        pages = cut_pages(run.full, PAGE)[: SPLIT[1] // PAGE]
+        for i, page in enumerate(pages):
+            (Path(tmp) / f"{i:04d}.page").write_bytes(page.to_bytes())
+        np.save(Path(tmp) / "reference.npy", run.reference)
+        child = subprocess.run(
+            [sys.executable, __file__, "--restart-child", tmp, str(run.model.path), run.layout.name],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if child.returncode != 0:
+            print(child.stdout + child.stderr, file=sys.stderr)
+        return child.returncode == 0
+
+
+def restart_child(tmp: str, model: str, layout_name: str) -> int:
+    """The fresh process of ``restart_exact``: restore the pages from disk and compare logits."""
+    layout = next(lay for lay in LAYOUTS if lay.name == layout_name)
+    pages = [page_from_bytes(p.read_bytes()) for p in sorted(Path(tmp).glob("*.page"))]
+    reference = np.load(Path(tmp) / "reference.npy")
+    llm = _llama(Path(model), layout)
+    try:
+        tokens = llm.tokenize((TEXT * 4).encode())[: SPLIT[2]]
+        if not native.set_seq_state(llm.ctx, assemble(pages, pages[0].layout, seq_id=0), 0):
+            return 1
+        return 0 if np.array_equal(_continue(llm, tokens, SPLIT[1]), reference) else 1
+    finally:
+        llm.close()
+
+
+LANES: dict[str, Callable[[Run], bool]] = {
+    "page_restore_exact": lane_page_restore,
+    "range_export_slice": lane_range_export,
+    "append_import_exact": lane_append_import,
+    "restart_exact": lane_restart,
+}
+
+
+def certify(path: Path, patches: Path) -> int:
+    recipe = library_recipe()
+    want = expected_recipe(patches)
+    if recipe != want:
+        print(
+            f"certify: the loaded library is {recipe.describe() if recipe else 'a stock build'}, "
+            f"not this checkout's {want.describe()}; build and install it with "
+            "scripts/build_patched_llama.sh first",
+            file=sys.stderr,
+        )
+        return 1
+    rows: list[RosterRow] = []
+    for model in _models():
+        digest = file_digest(model.path)
+        for layout in LAYOUTS:
+            run = Run(model, layout)
+            try:
+                arch = str(run.cold.metadata.get("general.architecture", "unknown"))
+                passed = []
+                for lane, fn in LANES.items():
+                    ok = fn(run)
+                    print(f"certify: {model.name} {layout.name} {lane}: {'pass' if ok else 'FAIL'}")
+                    if ok:
+                        passed.append(lane)
+                key = row_key(arch, native.backend_name(), run.full.layout)
+            finally:
+                run.close()
+            if passed:
+                rows.append(RosterRow(key, tuple(passed), model.name, digest))
+    roster = Roster(want, tuple(rows))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(roster.to_json(), "utf-8")
+    print(f"certify: wrote {path} ({len(rows)} rows)")
+    return 0
+
+
+def check(path: Path, patches: Path) -> int:
+    """Exit status 1 with the reason when the roster is stale, hand-edited or mismatched."""
+    try:
+        roster = load_roster(path)
+        want = expected_recipe(patches)
+    except RosterError as exc:
+        print(f"certify --check: {exc}", file=sys.stderr)
+        return 1
+    if roster is None:
+        print(f"certify --check: no roster at {path}; run scripts/certify.py", file=sys.stderr)
+        return 1
+    problems = []
+    if roster.recipe != want:
+        problems.append(
+            f"the roster certifies {roster.recipe.describe()}, this checkout's patch queue is "
+            f"{want.describe()}: re-run scripts/certify.py on a fresh patched build"
+        )
+    if parse_roster(path.read_text("utf-8")).to_json() != path.read_text("utf-8"):
+        problems.append("the roster is not in the form scripts/certify.py writes (edited by hand?)")
+    if not roster.rows:
+        problems.append("the roster certifies nothing")
+    loaded = library_recipe()
+    if loaded is not None and loaded != want:
+        problems.append(
+            f"the loaded library is {loaded.describe()}, not {want.describe()}: rebuild it with "
+            "scripts/build_patched_llama.sh"
+        )
+    for problem in problems:
+        print(f"certify --check: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"certify --check: {path} matches {want.describe()} ({len(roster.rows)} rows)")
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="only check the roster; run nothing")
+    parser.add_argument(
+        "--roster", type=Path, default=ROSTER_PATH, help="roster file (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--patches", type=Path, default=PATCHES_DIR, help="patch queue (default: %(default)s)"
+    )
+    parser.add_argument("--restart-child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.restart_child:
+        return restart_child(*args.restart_child)
+    return check(args.roster, args.patches) if args.check else certify(args.roster, args.patches)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

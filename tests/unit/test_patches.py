@@ -1,0 +1,115 @@
+"""The patch queue: documented patches that apply to a fresh sdist, and the roster check."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skippy_llama.roster import PATCHES_DIR, ROSTER_PATH, queue_patches
+
+ROOT = PATCHES_DIR.parent
+BUILD = ROOT / "scripts" / "build_patched_llama.sh"
+CERTIFY = ROOT / "scripts" / "certify.py"
+
+
+@pytest.mark.parametrize("patch", queue_patches(), ids=lambda p: p.name)
+def test_each_patch_says_what_why_and_abi(patch: Path) -> None:
+    head = patch.read_text("utf-8").split("\ndiff --git", 1)[0]
+    assert re.match(r"\d{4}-skippy-[a-z-]+\.patch$", patch.name)
+    for field in ("What:", "Why:", "ABI added:"):
+        assert field in head, f"{patch.name} lacks {field!r} in its header"
+    # C API additions keep the skippy_ prefix
+    added = re.findall(r"^\+\s*LLAMA_API\s+[^(]*?\b(\w+)\s*\(", patch.read_text("utf-8"), re.M)
+    assert all(name.startswith("skippy_") for name in added), added
+
+
+def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["bash", str(BUILD), "apply", str(tmp_path)],
+        capture_output=True, text=True, check=False, env=_env(),
+    )  # fmt: skip
+    if done.returncode != 0 and "pip download" in done.stderr + done.stdout:
+        pytest.skip("the llama-cpp-python sdist cannot be downloaded here")
+    assert done.returncode == 0, done.stderr
+    src = Path(done.stdout.strip().splitlines()[-1])
+    header = (src / "vendor/llama.cpp/include/llama.h").read_text()
+    for symbol in (
+        "skippy_abi_version",
+        "skippy_patch_queue_sha256",
+        "skippy_state_seq_range_get_data",
+        "skippy_state_seq_append_data",
+    ):
+        assert symbol in header
+    recorded = (src / "vendor/llama.cpp/src/skippy-queue.h").read_text()
+    from skippy_llama.roster import queue_digest
+
+    assert queue_digest() in recorded
+
+
+def test_a_patch_that_does_not_apply_is_refused(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "patches", repo / "patches")
+    shutil.copytree(ROOT / "skippy_llama", repo / "skippy_llama")
+    (repo / "scripts").mkdir()
+    shutil.copy(BUILD, repo / "scripts")
+    patch = repo / "patches" / queue_patches()[1].name
+    patch.write_text(
+        patch.read_text().replace("io.write(&n_stream, sizeof(n_stream));", "io.write(&nope);")
+    )
+    done = subprocess.run(
+        ["bash", str(repo / "scripts" / BUILD.name), "apply", str(tmp_path / "src")],
+        capture_output=True, text=True, check=False, env=_env(),
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "does not apply" in done.stderr
+
+
+def _check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CERTIFY), "--check", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_check_passes_on_this_checkout() -> None:
+    done = _check()
+    assert done.returncode == 0, done.stderr
+
+
+def test_check_fails_on_a_changed_patch(tmp_path: Path) -> None:
+    queue = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR, queue)
+    patch = queue / queue_patches()[0].name
+    patch.write_text(patch.read_text().replace("Why:", "Why (edited):", 1))
+    done = _check("--patches", str(queue))
+    assert done.returncode == 1
+    assert "patch queue" in done.stderr
+
+
+def test_check_fails_on_a_hand_edited_roster(tmp_path: Path) -> None:
+    roster = tmp_path / "split-certified.json"
+    roster.write_text(ROSTER_PATH.read_text().replace("\n  ", "\n    ", 1))
+    done = _check("--roster", str(roster))
+    assert done.returncode == 1
+    assert "by hand" in done.stderr
+
+
+def test_check_fails_without_a_roster(tmp_path: Path) -> None:
+    done = _check("--roster", str(tmp_path / "none.json"))
+    assert done.returncode == 1
+    assert "no roster" in done.stderr
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.setdefault("PYTHON", sys.executable)
+    return env

@@ -1,0 +1,159 @@
+"""The roster, the patch-queue digest and the verdict (pure: no model, no library)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from skippy_llama.errors import RosterError
+from skippy_llama.roster import (
+    PATCHES_DIR,
+    SKIPPY_ABI_VERSION,
+    Recipe,
+    Roster,
+    RosterRow,
+    RowKey,
+    decide,
+    expected_recipe,
+    load_roster,
+    parse_roster,
+    queue_digest,
+    row_key,
+)
+from skippy_llama.state.layout import KVLayout, LayerLayout
+
+KEY = RowKey("llama", "CPU", "F16", "F16", False)
+RECIPE = Recipe("0.3.36", "0c1e57098", SKIPPY_ABI_VERSION, "ab" * 32)
+ROSTER = Roster(RECIPE, (RosterRow(KEY, ("range_export_slice", "append_import_exact"), "m", "d"),))
+
+
+@pytest.fixture
+def queue(tmp_path: Path) -> Path:
+    dest = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR, dest)
+    return dest
+
+
+def test_stock_library_gets_the_stock_verdict() -> None:
+    verdict = decide(None, ROSTER, KEY)
+    assert verdict.kind == "stock"
+    assert not verdict.range_export and not verdict.append_import
+
+
+def test_certified_row_allows_exactly_its_lanes() -> None:
+    roster = Roster(RECIPE, (RosterRow(KEY, ("range_export_slice",), "m", "d"),))
+    verdict = decide(RECIPE, roster, KEY)
+    assert verdict.kind == "certified"
+    assert verdict.range_export
+    assert not verdict.append_import
+
+
+@pytest.mark.parametrize(
+    "library",
+    [
+        replace(RECIPE, queue_sha256="cd" * 32),
+        replace(RECIPE, llama_cpp_python="0.3.37"),
+        replace(RECIPE, llama_cpp_commit="unknown"),
+    ],
+)
+def test_another_recipe_is_uncertified(library: Recipe) -> None:
+    verdict = decide(library, ROSTER, KEY)
+    assert verdict.kind == "uncertified"
+    assert "another recipe" in verdict.reason
+    assert not verdict.range_export and not verdict.append_import
+
+
+def test_uncertified_row_and_override() -> None:
+    other = replace(KEY, architecture="gemma3")
+    assert decide(RECIPE, ROSTER, other).kind == "uncertified"
+    forced = decide(RECIPE, ROSTER, other, allow_uncertified=True)
+    assert forced.kind == "uncertified_override"
+    assert forced.range_export and forced.append_import
+    assert "allow_uncertified" in forced.reason
+
+
+def test_no_roster_is_uncertified() -> None:
+    assert decide(RECIPE, None, KEY).kind == "uncertified"
+
+
+def test_unknown_abi_is_stock_even_with_override() -> None:
+    library = replace(RECIPE, skippy_abi=SKIPPY_ABI_VERSION + 1)
+    verdict = decide(library, ROSTER, KEY, allow_uncertified=True)
+    assert verdict.kind == "stock"
+    assert not verdict.append_import
+
+
+def test_roster_round_trips_in_canonical_form() -> None:
+    text = ROSTER.to_json()
+    assert parse_roster(text) == ROSTER
+    assert parse_roster(text).to_json() == text
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("not json", "not JSON"),
+        ('{"format": 99}', "format"),
+        ('{"format": 1, "recipe": []}', "recipe"),
+        (
+            '{"format": 1, "recipe": {"llama_cpp_python": "x", "llama_cpp_commit": "y", '
+            '"skippy_abi": "1", "queue_sha256": "z"}, "rows": []}',
+            "skippy_abi",
+        ),
+    ],
+)
+def test_malformed_roster_is_a_roster_error(text: str, match: str) -> None:
+    with pytest.raises(RosterError, match=match):
+        parse_roster(text)
+
+
+def test_roster_row_with_an_unknown_lane_is_refused() -> None:
+    doc = ROSTER.to_json().replace("append_import_exact", "teleport")
+    with pytest.raises(RosterError, match="lanes"):
+        parse_roster(doc)
+
+
+def test_missing_roster_file_is_none(tmp_path: Path) -> None:
+    assert load_roster(tmp_path / "absent.json") is None
+
+
+def test_queue_digest_changes_with_every_byte_name_and_order(queue: Path) -> None:
+    base = queue_digest(queue)
+    assert base == queue_digest(queue)
+    names = (queue / "series").read_text().split()
+    first = queue / names[0]
+    data = first.read_bytes()
+    first.write_bytes(data + b"\n")
+    assert queue_digest(queue) != base
+    first.write_bytes(data)
+    (queue / "series").write_text("\n".join([names[1], names[0], *names[2:]]) + "\n")
+    assert queue_digest(queue) != base
+    (queue / "series").write_text("\n".join(names) + "\n")
+    assert queue_digest(queue) == base
+    renamed = queue / ("x" + names[0])
+    first.rename(renamed)
+    (queue / "series").write_text("\n".join([renamed.name, *names[1:]]) + "\n")
+    assert queue_digest(queue) != base
+
+
+def test_series_naming_a_missing_patch_is_refused(queue: Path) -> None:
+    (queue / "series").write_text("9999-nonesuch.patch\n")
+    with pytest.raises(RosterError, match="nonesuch"):
+        queue_digest(queue)
+
+
+def test_expected_recipe_names_this_checkout() -> None:
+    recipe = expected_recipe()
+    assert recipe.queue_sha256 == queue_digest(PATCHES_DIR)
+    assert recipe.skippy_abi == SKIPPY_ABI_VERSION
+
+
+def test_row_key_reads_flash_attention_from_v_transposition() -> None:
+    layer = LayerLayout(k_type=1, k_row=128, v_type=8, v_unit=34, v_embd=0)
+    key = row_key("llama", "CPU", KVLayout(v_trans=False, layers=(layer,)))
+    assert key == RowKey("llama", "CPU", "F16", "Q8_0", True)
+    trans = replace(layer, v_type=1, v_unit=2, v_embd=64)
+    assert row_key("llama", "CPU", KVLayout(v_trans=True, layers=(trans,))).flash_attn is False
