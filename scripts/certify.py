@@ -47,10 +47,9 @@ from skippy_llama.roster import (  # noqa: E402
     expected_recipe,
     load_roster,
     parse_roster,
-    row_key,
 )
 from skippy_llama.runtime import native, native_ext  # noqa: E402
-from skippy_llama.runtime.recipe import library_recipe  # noqa: E402
+from skippy_llama.runtime.recipe import library_recipe, row_key  # noqa: E402
 from skippy_llama.state import (  # noqa: E402
     assemble,
     cut_pages,

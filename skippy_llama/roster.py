@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import RosterError
-from .state.layout import KVLayout, type_name
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # from the sdist's CHANGELOG.md ("update llama.cpp to ggml-org/llama.cpp@0c1e57098"): the sdist
@@ -120,18 +119,6 @@ class RowKey:
     def describe(self) -> str:
         fa = "on" if self.flash_attn else "off"
         return f"{self.architecture} on {self.backend}, K {self.type_k} / V {self.type_v}, flash attention {fa}"
-
-
-def row_key(architecture: str, backend: str, layout: KVLayout) -> RowKey:
-    """The roster row a model runs under, from its live KV layout (V transposed = flash attention off)."""
-    first = layout.layers[0] if layout.layers else None
-    return RowKey(
-        architecture=architecture,
-        backend=backend,
-        type_k=type_name(first.k_type) if first else "none",
-        type_v=type_name(first.v_type) if first else "none",
-        flash_attn=not layout.v_trans,
-    )
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,27 @@ from ..roster import (
     LLAMA_CPP_PYTHON_VERSION,
     ROSTER_PATH,
     Recipe,
+    RowKey,
     Verdict,
     decide,
     load_roster,
-    row_key,
 )
-from ..state.layout import KVLayout
+from ..state.layout import KVLayout, type_name
 from . import native_ext
 
 log = logging.getLogger("skippy_llama")
+
+
+def row_key(architecture: str, backend: str, layout: KVLayout) -> RowKey:
+    """The roster row a model runs under, from its live KV layout (V transposed = flash attention off)."""
+    first = layout.layers[0] if layout.layers else None
+    return RowKey(
+        architecture=architecture,
+        backend=backend,
+        type_k=type_name(first.k_type) if first else "none",
+        type_v=type_name(first.v_type) if first else "none",
+        flash_attn=not layout.v_trans,
+    )
 
 
 def library_recipe() -> Recipe | None:

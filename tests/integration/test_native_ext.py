@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from modelhelpers import TEXT, last_logits
 
-from skippy_llama.roster import SKIPPY_ABI_VERSION, Recipe, row_key
+from skippy_llama.roster import SKIPPY_ABI_VERSION, Recipe
 from skippy_llama.runtime import native, native_ext
-from skippy_llama.runtime.recipe import library_recipe, native_verdict
+from skippy_llama.runtime.recipe import library_recipe, native_verdict, row_key
 from skippy_llama.state import parse_state, slice_state
 from skippy_llama.state.format import SequenceState
 from skippy_llama.state.pages import Page

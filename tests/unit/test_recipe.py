@@ -21,8 +21,8 @@ from skippy_llama.roster import (
     load_roster,
     parse_roster,
     queue_digest,
-    row_key,
 )
+from skippy_llama.runtime.recipe import row_key
 from skippy_llama.state.layout import KVLayout, LayerLayout
 
 KEY = RowKey("llama", "CPU", "F16", "F16", False)
