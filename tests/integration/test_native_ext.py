@@ -179,6 +179,9 @@ def test_verdict_for_the_loaded_library(cold: llama_cpp.Llama) -> None:
         assert verdict.kind == "stock"
         assert not verdict.range_export and not verdict.append_import
         return
+    # the roster certifies SmolLM2's row for the recipe of a library built from this checkout
+    assert verdict.kind == "certified", verdict.describe()
+    assert verdict.range_export and verdict.append_import
     # an architecture nobody certified keeps the stock paths unless overridden
     other = native_verdict("nonesuch", native.backend_name(), layout)
     assert other.kind == "uncertified" and not other.append_import
