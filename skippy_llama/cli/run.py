@@ -37,6 +37,8 @@ class RunReport:
     model: str
     kv_dtype: dict[str, Any]
     requests: list[RequestResult] = field(default_factory=list)
+    #: what SkippyLlama chose at load: L1 memory, canonical granule, native-patch verdict
+    cache: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def totals(self) -> dict[str, Any]:
@@ -143,6 +145,7 @@ def execute(args: argparse.Namespace) -> RunReport:
         model=str(model_path),
         kv_dtype=resolution.to_dict(),
         settings=loaded.settings.model_dump(mode="json"),
+        cache=skippy.cache_status(),
     )
     hist_skippy: dict[str, list[dict[str, str]]] = {}
     hist_cold: dict[str, list[dict[str, str]]] = {}
@@ -180,8 +183,15 @@ def render(report: RunReport, baseline: bool) -> str:
     lines = [
         f"model: {report.model}",
         f"live K/V dtype: K={kv['type_k']} V={kv['type_v']} by {kv['rule']}",
-        "",
     ]
+    if report.cache:
+        l1, native = report.cache["l1"], report.cache["native"]
+        lines.append(
+            f"L1: {l1['max_prefixes']} resident prefixes, {l1['budget_tokens']} tokens "
+            f"({l1['budget_bytes'] / 2**20:.0f} MiB beside a {report.cache['context_kv_bytes'] / 2**20:.0f} MiB context); "
+            f"reuse granule {report.cache['granule']}; native {native['reason']}"
+        )
+    lines.append("")
     header = f"{'#':>3}  {'request':<24} {'tier':<5} {'cached/prompt':>14} {'TTFT ms':>9}"
     if baseline:
         header += f" {'cold ms':>9} {'speed-up':>8} {'same':>5}"
@@ -214,7 +224,7 @@ def handle(args: argparse.Namespace) -> int:
     report = execute(args)
     if args.json:
         print(json.dumps({"model": report.model, "kv_dtype": report.kv_dtype,
-                          "settings": report.settings,
+                          "cache": report.cache, "settings": report.settings,
                           "requests": [asdict(r) for r in report.requests],
                           "totals": report.totals()}, indent=2))  # fmt: skip
     else:

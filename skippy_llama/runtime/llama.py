@@ -39,7 +39,8 @@ from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, pa
 from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
-from . import native
+from . import native, native_ext
+from .recipe import native_verdict
 from .timing import on_first_token
 
 log = logging.getLogger("skippy_llama")
@@ -158,6 +159,13 @@ class SkippyLlama(llama_cpp.Llama):
         elif self.cache_disabled_reason is not None:
             log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
         self.kv_layout = self._probe_layout() if self.cache_disabled_reason is None else None
+        # whether the loaded llama.cpp carries skippy's patches, certified for this model
+        self.native_verdict = native_verdict(
+            str(self.metadata.get("general.architecture", "unknown")),
+            native.backend_name(),
+            self.kv_layout,
+            allow_uncertified=settings.native.allow_uncertified,
+        )
         self.cache_identity = self._identity()
         disk, ram, admission = self._open_tiers()
         self.prefix_cache = PrefixCache(
@@ -542,11 +550,24 @@ class SkippyLlama(llama_cpp.Llama):
         if plan is None:
             return
         start = plan.new[0][2] if plan.new else point
-        blob = native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, point)
+        blob = self._capture(start, point)
         state = parse_state(blob, first=start)
         if state.layout.digest() != self.kv_layout.digest():
             raise StateFormatError("captured state does not match the probed KV layout")
         cache.record(plan, state, tokens)
+
+    def _capture(self, start: int, end: int) -> bytearray:
+        """The working sequence's cells at positions ``[start, end)``, in the stock format.
+
+        The patched range export where the roster certifies it, else the stock path (cells
+        shared with a scratch sequence and serialized from there); both cost O(end - start).
+        """
+        if self.native_verdict.range_export:
+            try:
+                return native_ext.range_export(self.ctx, WORKING_SEQ, start, end)
+            except TierError as exc:
+                log.warning("skippy-llama: range export failed (%s); using the stock path", exc)
+        return native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end)
 
     def close(self) -> None:
         """Free the model and context; pending L3 writes are flushed first (bounded wait)."""
@@ -691,6 +712,10 @@ class SkippyLlama(llama_cpp.Llama):
             "disabled_reason": self.cache_disabled_reason,
             "n_ctx": self.n_ctx(),
             "granule": self.granule,
+            "native": {
+                "verdict": self.native_verdict.kind,
+                "reason": self.native_verdict.describe(),
+            },
             "kv_bytes_per_token": per_token,
             "context_kv_bytes": per_token * self.n_ctx(),
             "l1": {
