@@ -86,25 +86,74 @@ class Sizes:
 
 SIZES = Sizes()
 
-_WORDS = (
-    "river stone lantern harbor maple copper orbit signal meadow pocket winter thunder violet "
-    "engine candle forest basket silver mirror garden planet ribbon falcon cotton bridge needle "
-    "marble tunnel island pepper rocket saddle window feather canyon button crystal ladder "
-    "velvet compass glacier puzzle anchor timber oyster blanket kettle meteor walnut harvest"
-).split()
+_WORDS = [
+    "river",
+    "stone",
+    "lantern",
+    "harbor",
+    "maple",
+    "copper",
+    "orbit",
+    "signal",
+    "meadow",
+    "pocket",
+    "winter",
+    "thunder",
+    "violet",
+    "engine",
+    "candle",
+    "forest",
+    "basket",
+    "silver",
+    "mirror",
+    "garden",
+    "planet",
+    "ribbon",
+    "falcon",
+    "cotton",
+    "bridge",
+    "needle",
+    "marble",
+    "tunnel",
+    "island",
+    "pepper",
+    "rocket",
+    "saddle",
+    "window",
+    "feather",
+    "canyon",
+    "button",
+    "crystal",
+    "ladder",
+    "velvet",
+    "compass",
+    "glacier",
+    "puzzle",
+    "anchor",
+    "timber",
+    "oyster",
+    "blanket",
+    "kettle",
+    "meteor",
+    "walnut",
+    "harvest",
+]
 
 
 def text_of(tokenize: Callable[[str], list[int]], n_tokens: int, seed: int) -> str:
     """Deterministic English-like text of about ``n_tokens`` tokens (within a few tokens).
 
     Sentences are added until the text reaches ``n_tokens``; every seed gives different text
-    from its first word on, so texts of different seeds share no prefix.
+    from its first word on (for up to ``len(_WORDS)`` consecutive seeds), so such texts share no
+    prefix.
     """
     rng = random.Random(seed)
     sentences: list[str] = []
     while True:
         words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 14))]
-        sentences.append(f"Note {seed}-{len(sentences)}: " + " ".join(words) + ".")
+        if not sentences:
+            words[0] = _WORDS[seed % len(_WORDS)]
+        sentences.append(" ".join(words).capitalize() + f" (note {seed}-{len(sentences)}).")
         text = " ".join(sentences)
         if len(tokenize(text)) >= n_tokens:
             return text
@@ -162,13 +211,11 @@ def chat_messages(tokenize: Callable[[str], list[int]], turns: int) -> list[str]
 
 def run_chat(llm: llama_cpp.Llama, *, stream: bool) -> Run:
     run = Run()
-    history: list[dict[str, str]] = [
-        {"role": "system", "content": "You are a concise assistant."}
-    ]
+    history: list[dict[str, str]] = [{"role": "system", "content": "You are a concise assistant."}]
     for message in chat_messages(_tokenizer(llm), SIZES.chat_turns):
         history.append({"role": "user", "content": message})
         started = time.perf_counter()
-        result = llm.create_chat_completion(
+        result: Any = llm.create_chat_completion(
             messages=history,  # type: ignore[arg-type]
             max_tokens=SIZES.reply_tokens,
             temperature=0.0,
@@ -196,7 +243,9 @@ def run_oneshot(llm: llama_cpp.Llama) -> Run:
     run = Run()
     for prompt in documents(_tokenizer(llm)):
         started = time.perf_counter()
-        result = llm.create_completion(prompt, max_tokens=SIZES.oneshot_tokens, temperature=0.0)
+        result: Any = llm.create_completion(
+            prompt, max_tokens=SIZES.oneshot_tokens, temperature=0.0
+        )
         _note(llm, run, started)
         run.replies.append(result["choices"][0]["text"])
     return run
@@ -216,7 +265,7 @@ def run_continue(llm: llama_cpp.Llama) -> Run:
     for part in continuation_parts(_tokenizer(llm)):
         prompt += part
         started = time.perf_counter()
-        result = llm.create_completion(
+        result: Any = llm.create_completion(
             prompt, max_tokens=SIZES.continue_reply_tokens, temperature=0.0
         )
         _note(llm, run, started)
@@ -259,9 +308,7 @@ def profile_groups(stats: pstats.Stats) -> dict[str, float]:
     result: dict[str, float] = {}
     for group, needles in PROFILE_GROUPS.items():
         members = {
-            key
-            for key in table
-            if "skippy_llama" in key[0] and any(n in key[2] for n in needles)
+            key for key in table if "skippy_llama" in key[0] and any(n in key[2] for n in needles)
         }
         total = 0.0
         for key in members:
@@ -341,7 +388,7 @@ def test_overhead(benchmark: Any, workload: str, mode: str) -> None:
         plain = _PLAIN[workload]
         info["ratio_total"] = round(total / sum(plain.request_s), 4)
         info["ratio_last"] = round(run.request_s[-1] / plain.request_s[-1], 4)
-        if PROFILE == "all" or (PROFILE == workload):
+        if PROFILE in ("all", workload):
             info["profile"] = profiled(mode, workload)
     benchmark.extra_info.update(info)
     if mode != "plain" and workload in _PLAIN:
