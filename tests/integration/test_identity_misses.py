@@ -90,7 +90,7 @@ def _assert_miss(model: Path, store: Path, write: dict[str, Any], read: dict[str
 
 def _assert_hit(model: Path, store: Path, write: dict[str, Any], read: dict[str, Any]) -> None:
     out, event = _write_then_read(model, store, write, read)
-    assert event.tier == "l3" and event.cached_tokens > 128, event
+    assert event.tier == "l3" and event.cached_tokens >= 64, event
     assert out == _plain(model, read)
 
 
@@ -175,12 +175,12 @@ def test_same_kv_overrides_hit(smollm2_path: Path, tmp_path: Path) -> None:
 def test_batch_split_misses_with_flash_attention(
     smollm2_path: Path, tmp_path: Path, field: str
 ) -> None:
-    write = {"flash_attn": True, "n_batch": 256, "n_ubatch": 256}
-    _assert_miss(smollm2_path, tmp_path / "l3", write, {**write, field: 64})
+    write = {"flash_attn": True, "n_batch": 64, "n_ubatch": 64}
+    _assert_miss(smollm2_path, tmp_path / "l3", write, {**write, field: 32})
 
 
 def test_same_batch_split_hits_with_flash_attention(smollm2_path: Path, tmp_path: Path) -> None:
-    same = {"flash_attn": True, "n_batch": 256, "n_ubatch": 256}
+    same = {"flash_attn": True, "n_batch": 64, "n_ubatch": 64}
     _assert_hit(smollm2_path, tmp_path / "l3", same, same)
 
 
