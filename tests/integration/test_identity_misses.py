@@ -283,3 +283,47 @@ def test_from_package_reuses_the_verified_sha256(smollm2_path: Path, tmp_path: P
         assert llm.cache_identity.model.digest == "sha256:" + sha[manifest.gguf[0]]
     finally:
         llm.close()
+
+
+GPU = bool(llama_cpp.llama_supports_gpu_offload())
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a GPU build of llama-cpp-python")
+
+
+@needs_gpu
+def test_gpu_identity_names_the_offload_and_device(smollm2_path: Path, tmp_path: Path) -> None:
+    llm = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=N_CTX,
+        n_gpu_layers=-1,
+        verbose=False,
+        cache_settings=_settings(tmp_path / "l3"),
+    )
+    try:
+        params = llm.cache_identity.params
+    finally:
+        llm.close()
+    for key in ("model.n_gpu_layers", "context.offload_kqv", "context.n_batch", "device_names"):
+        assert key in params
+    assert any(not name.startswith("CPU") for name in params["device_names"])
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    ("write", "read"),
+    [
+        ({"n_gpu_layers": 0}, {"n_gpu_layers": -1}),
+        ({"n_gpu_layers": -1}, {"n_gpu_layers": -1, "offload_kqv": False}),
+        ({"n_gpu_layers": -1}, {"n_gpu_layers": -1, "op_offload": False}),
+    ],
+    ids=["n_gpu_layers", "offload_kqv", "op_offload"],
+)
+def test_offload_change_misses_on_gpu(
+    smollm2_path: Path, tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
+) -> None:
+    _assert_miss(smollm2_path, tmp_path / "l3", write, read)
+
+
+@needs_gpu
+def test_same_offload_hits_on_gpu(smollm2_path: Path, tmp_path: Path) -> None:
+    same = {"n_gpu_layers": -1}
+    _assert_hit(smollm2_path, tmp_path / "l3", same, same)
