@@ -287,6 +287,8 @@ def test_from_package_reuses_the_verified_sha256(smollm2_path: Path, tmp_path: P
 
 GPU = bool(llama_cpp.llama_supports_gpu_offload())
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a GPU build of llama-cpp-python")
+#: Canonical batching reuses whole micro-batches on GPU builds: small ones, so PROMPT has some.
+SPLIT = {"n_batch": 64, "n_ubatch": 64}
 
 
 @needs_gpu
@@ -311,9 +313,9 @@ def test_gpu_identity_names_the_offload_and_device(smollm2_path: Path, tmp_path:
 @pytest.mark.parametrize(
     ("write", "read"),
     [
-        ({"n_gpu_layers": 0}, {"n_gpu_layers": -1}),
-        ({"n_gpu_layers": -1}, {"n_gpu_layers": -1, "offload_kqv": False}),
-        ({"n_gpu_layers": -1}, {"n_gpu_layers": -1, "op_offload": False}),
+        ({"n_gpu_layers": 0, **SPLIT}, {"n_gpu_layers": -1, **SPLIT}),
+        ({"n_gpu_layers": -1, **SPLIT}, {"n_gpu_layers": -1, "offload_kqv": False, **SPLIT}),
+        ({"n_gpu_layers": -1, **SPLIT}, {"n_gpu_layers": -1, "op_offload": False, **SPLIT}),
     ],
     ids=["n_gpu_layers", "offload_kqv", "op_offload"],
 )
@@ -325,5 +327,5 @@ def test_offload_change_misses_on_gpu(
 
 @needs_gpu
 def test_same_offload_hits_on_gpu(smollm2_path: Path, tmp_path: Path) -> None:
-    same = {"n_gpu_layers": -1}
+    same = {"n_gpu_layers": -1, **SPLIT}
     _assert_hit(smollm2_path, tmp_path / "l3", same, same)
