@@ -18,7 +18,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from modelhelpers import TEXT
+from modelhelpers import TEXT, last_logits
 
 from skippy_llama.config import Settings
 from skippy_llama.events import CacheEvent
@@ -158,11 +158,23 @@ def test_same_lora_hits(smollm2_path: Path, tmp_path: Path, adapters: tuple[Path
     _assert_hit(smollm2_path, tmp_path / "l3", same, same)
 
 
-OVERRIDE = {"llama.rope.freq_base": 50000.0}
+OVERRIDE = {"llama.rope.freq_base": 1000.0}
+
+
+def _prompt_logits(model: Path, kwargs: dict[str, Any]) -> np.ndarray[Any, np.dtype[np.float32]]:
+    llm = llama_cpp.Llama(str(model), n_ctx=N_CTX, verbose=False, **kwargs)
+    try:
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        return last_logits(llm)
+    finally:
+        llm.close()
 
 
 def test_kv_overrides_change_misses(smollm2_path: Path, tmp_path: Path) -> None:
-    assert _plain(smollm2_path, {"kv_overrides": OVERRIDE}) != _plain(smollm2_path, {})
+    # the override changes the K/V (so the logits); otherwise this test would prove nothing
+    assert not np.array_equal(
+        _prompt_logits(smollm2_path, {"kv_overrides": OVERRIDE}), _prompt_logits(smollm2_path, {})
+    )
     _assert_miss(smollm2_path, tmp_path / "l3", {"kv_overrides": OVERRIDE}, {})
 
 
