@@ -237,13 +237,20 @@ def _known_keys() -> set[str]:
     return keys
 
 
-def _plain(value: Any) -> Any:
-    """A ctypes field as a JSON value: pointers become whether they are set."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
+_POINTERS: tuple[type, ...] = (
+    ctypes.c_void_p,
+    ctypes._Pointer,  # type: ignore[attr-defined]
+    ctypes._CFuncPtr,  # type: ignore[attr-defined]
+)
+
+
+def _plain(value: Any, ctype: type) -> Any:
+    """A ctypes field as a JSON value: a pointer becomes whether it is set (never its address)."""
+    if issubclass(ctype, _POINTERS):
+        return bool(ctypes.cast(value, ctypes.c_void_p).value) if value is not None else False
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    return bool(ctypes.cast(value, ctypes.c_void_p).value)
+    return value
 
 
 def canonical_kv_overrides(overrides: Mapping[str, Any] | None) -> list[list[Any]] | None:
@@ -302,9 +309,10 @@ def live_values(llm: llama_cpp.Llama, *, durable: bool, gpu: bool) -> dict[str, 
         ("context", llm.context_params, CONTEXT_FIELDS),
         ("model", llm.model_params, MODEL_FIELDS),
     ):
+        ctypes_of = dict(type(params)._fields_)
         for name, entry in table.items():
             if entry.rule not in ("typed", "neutral"):
-                values[f"{prefix}.{name}"] = _plain(getattr(params, name))
+                values[f"{prefix}.{name}"] = _plain(getattr(params, name), ctypes_of[name])
     # the context was re-created with one stream per resident slot: ask it, not the params
     values["context.n_ctx"] = int(llama_cpp.llama_n_ctx_seq(llm.ctx))
     values["model.tensor_split"] = [float(x) for x in (llm.tensor_split or [])]

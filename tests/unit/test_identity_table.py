@@ -7,6 +7,7 @@ parameter cannot slip past the cache identity. Needs llama_cpp, not a model.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 from typing import Any
 
@@ -172,3 +173,15 @@ def test_longrope_detection(tmp_path: Any) -> None:
     assert not has_longrope(str(plain))
     assert has_longrope(str(longrope))
     assert has_longrope(str(tmp_path / "missing.gguf"))  # unreadable: assume it matters
+
+
+def test_pointer_fields_enter_the_identity_as_set_or_unset_never_as_addresses() -> None:
+    from skippy_llama.runtime.identity_params import _plain
+
+    params = llama_cpp.llama_context_default_params()
+    fields = dict(type(params)._fields_)
+    assert _plain(params.ctx_other, fields["ctx_other"]) is False
+    buf = ctypes.create_string_buffer(8)
+    params.ctx_other = ctypes.cast(buf, ctypes.c_void_p)
+    assert _plain(params.ctx_other, fields["ctx_other"]) is True
+    assert _plain(params.n_batch, fields["n_batch"]) == params.n_batch
