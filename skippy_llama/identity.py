@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,30 +37,33 @@ def _identity_cache_path() -> Path:
     return Path(base) / "skippy-llama" / "file-digests.json"
 
 
-def file_digest(path: str | os.PathLike[str], *, memo: Path | None = None) -> str:
-    """xxh3-128 hex digest of a file's content, memoized by (path, size, mtime).
+#: Files at least this large report hashing progress (a multi-GB GGUF takes seconds to minutes).
+PROGRESS_BYTES = 1 << 30
+#: ``progress(done_bytes, total_bytes)``, called after each chunk of a long hash.
+DigestProgress = Callable[[int, int], None]
 
-    Hashing a multi-GB GGUF takes seconds, so the result is kept in a small JSON file and reused
-    until the file's size or modification time changes.
+
+def file_stamp(path: str | os.PathLike[str]) -> str:
+    """What the digest memo trusts a file by: device, inode, size, mtime and ctime.
+
+    Size and mtime alone survive an in-place rewrite that restores the mtime (``os.utime``);
+    the ctime cannot be set back by a user, and device and inode catch a replaced file.
     """
-    p = Path(path).resolve()
-    st = p.stat()
-    stamp = f"{st.st_size}:{st.st_mtime_ns}"
-    memo = memo or _identity_cache_path()
-    table: dict[str, Any] = {}
+    st = Path(path).stat()
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _read_memo(memo: Path) -> dict[str, Any]:
     try:
         table = json.loads(memo.read_text())
     except (OSError, ValueError):
-        table = {}
-    hit = table.get(str(p))
-    if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("digest"), str):
-        return str(hit["digest"])
-    h = xxhash.xxh3_128()
-    with p.open("rb") as f:
-        while chunk := f.read(_DIGEST_CHUNK):
-            h.update(chunk)
-    digest = h.hexdigest()
-    table[str(p)] = {"stamp": stamp, "digest": digest}
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _write_memo(memo: Path, key: str, stamp: str, digest: str) -> None:
+    table = _read_memo(memo)
+    table[key] = {"stamp": stamp, "digest": digest}
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
@@ -66,7 +71,87 @@ def file_digest(path: str | os.PathLike[str], *, memo: Path | None = None) -> st
         os.replace(tmp, memo)
     except OSError:
         pass  # the memo is an optimisation; an unwritable cache dir only costs a re-hash
+
+
+def stderr_progress(name: str) -> DigestProgress:
+    """A progress callback printing ``hashing NAME: 37% (1.2 of 3.3 GiB)`` lines to stderr."""
+    shown = [-1]
+
+    def report(done: int, total: int) -> None:
+        percent = 100 * done // max(total, 1)
+        if percent // 10 == shown[0] // 10 and percent < 100:
+            return  # one line per 10 %
+        shown[0] = percent
+        print(
+            f"skippy-llama: hashing {name} for the cache identity: {percent}% "
+            f"({done / (1 << 30):.1f} of {total / (1 << 30):.1f} GiB)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return report
+
+
+def file_digest(
+    path: str | os.PathLike[str],
+    *,
+    memo: Path | None = None,
+    progress: DigestProgress | None = None,
+) -> str:
+    """Tagged content digest of a file (``xxh3:<hex>``), memoized by :func:`file_stamp`.
+
+    Hashing a multi-GB GGUF takes seconds, so the result is kept in a small JSON file and reused
+    while the file's stamp is unchanged. A digest recorded with :func:`record_file_digest` (a
+    model package's verified sha256) is returned as it is, so a package is not hashed twice.
+    Files of :data:`PROGRESS_BYTES` or more report to ``progress`` (default: lines on stderr).
+    """
+    p = Path(path).resolve()
+    stamp = file_stamp(p)
+    memo = memo or _identity_cache_path()
+    hit = _read_memo(memo).get(str(p))
+    if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("digest"), str):
+        return str(hit["digest"])
+    size = p.stat().st_size
+    if progress is None and size >= PROGRESS_BYTES:
+        progress = stderr_progress(p.name)
+    h = xxhash.xxh3_128()
+    done = 0
+    with p.open("rb") as f:
+        while chunk := f.read(_DIGEST_CHUNK):
+            h.update(chunk)
+            done += len(chunk)
+            if progress is not None and size >= PROGRESS_BYTES:
+                progress(done, size)
+    digest = "xxh3:" + h.hexdigest()
+    if file_stamp(p) == stamp:  # not rewritten while it was read
+        _write_memo(memo, str(p), stamp, digest)
     return digest
+
+
+def record_file_digest(
+    path: str | os.PathLike[str], digest: str, stamp: str, *, memo: Path | None = None
+) -> bool:
+    """Remember a digest verified by another route (``sha256:<hex>`` of a model package).
+
+    ``stamp`` is the :func:`file_stamp` taken *before* the file was verified; nothing is recorded
+    (and False returned) when the file changed since, so the memo never pairs a stamp with
+    content it did not see. Algorithms are tagged, so equal content may have two digests: that
+    costs a miss, never a wrong hit.
+    """
+    p = Path(path).resolve()
+    if ":" not in digest or file_stamp(p) != stamp:
+        return False
+    _write_memo(memo or _identity_cache_path(), str(p), stamp, digest)
+    return True
+
+
+def process_digest() -> str:
+    """A digest unique to this process: the model identity when only L1 (in-process) is on.
+
+    L1 never leaves the process, so it needs no content digest; a random tag can never equal a
+    content digest, so a per-process identity cannot address L2/L3 pages.
+    """
+    return "process:" + uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -77,6 +162,11 @@ class ModelIdentity:
     architecture: str
     geometry: Mapping[str, int | float | str] = field(default_factory=dict)
     name: str = ""
+
+    @property
+    def durable(self) -> bool:
+        """Whether the digest names the file's content (L2/L3 may use it), not this process."""
+        return not self.digest.startswith("process:")
 
     @property
     def id(self) -> str:
@@ -107,6 +197,14 @@ class CacheIdentity:
     namespace: str = ""
     state_format: int = STATE_FORMAT_VERSION
     page_format: int = PAGE_FORMAT_VERSION
+    #: Runtime parameters that change the bytes (LoRA, kv_overrides, offload, batch split …),
+    #: as chosen by ``runtime/identity_params.py``'s table; JSON values only.
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def durable(self) -> bool:
+        """Whether pages under this identity may be shared beyond this process (L2/L3)."""
+        return self.model.durable
 
     def fields(self) -> dict[str, Any]:
         """The identity as a flat JSON-ready dict (status output, tests)."""
@@ -129,6 +227,7 @@ class CacheIdentity:
             "namespace": self.namespace,
             "state_format": self.state_format,
             "page_format": self.page_format,
+            "params": dict(self.params),
         }
 
     @property

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PackageError
+from ..identity import file_stamp, record_file_digest
 from .kvdtype import KVDtypeResolution, resolve_kv_dtype
-from .manifest import Manifest
+from .manifest import Manifest, read_manifest
 from .publisher import PublisherMetadata
 from .verify import VerificationReport, verify_package
 
@@ -60,6 +61,27 @@ class LoadedPackage:
         }
 
 
+def _gguf_stamps(path: str | Path) -> dict[str, str]:
+    """Each GGUF's file stamp before verification (empty when the package cannot be read)."""
+    try:
+        root = Path(path).resolve()
+        manifest = read_manifest(root)
+        return {g: file_stamp(root / g) for g in manifest.gguf}
+    except (PackageError, OSError):
+        return {}  # verification reports the problem
+
+
+def _remember_verified_digests(root: Path, manifest: Manifest, stamps: dict[str, str]) -> None:
+    """Give the cache identity each GGUF's verified sha256, so it is not hashed a second time.
+
+    Recorded only for a file whose stamp did not change while it was verified.
+    """
+    sha = {f.path: f.sha256 for f in manifest.files}
+    for name, stamp in stamps.items():
+        if name in sha:
+            record_file_digest(root / name, "sha256:" + sha[name], stamp)
+
+
 def load_package(path: str | Path, *, verify_hashes: bool = True) -> LoadedPackage:
     """Verify the package at ``path`` and return it with its usable publisher metadata.
 
@@ -69,6 +91,7 @@ def load_package(path: str | Path, *, verify_hashes: bool = True) -> LoadedPacka
     ``verify_hashes=False`` skips re-hashing (sizes are still checked) for fast repeated loads of
     a package already verified with ``skippy-llama package verify``.
     """
+    stamps = _gguf_stamps(path)
     report = verify_package(path, hashes=verify_hashes)
     if not report.intact:
         raise PackageError(
@@ -77,6 +100,8 @@ def load_package(path: str | Path, *, verify_hashes: bool = True) -> LoadedPacka
             + ". Restore the original files or re-create the package with "
             "`skippy-llama package create`"
         )
+    if verify_hashes:
+        _remember_verified_digests(report.root, report.manifest, stamps)
     reason: str | None = None
     if report.publisher is None:
         prefix = "publisher metadata not used: " if report.verdict == "rejected" else ""

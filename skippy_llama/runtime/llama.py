@@ -32,7 +32,7 @@ from ..cache import LookupResult, PrefixCache
 from ..config import Settings, load_settings
 from ..errors import StateFormatError, TierError
 from ..events import CacheEvent
-from ..identity import CacheIdentity, ModelIdentity, file_digest, paging_refusal
+from ..identity import CacheIdentity, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
 from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_state
@@ -40,6 +40,7 @@ from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
 from . import native, native_ext
+from .identity_params import build_identity
 from .recipe import native_verdict
 from .timing import on_first_token
 
@@ -274,45 +275,7 @@ class SkippyLlama(llama_cpp.Llama):
             self.n_tokens = 0
 
     def _identity(self) -> CacheIdentity:
-        model = self._model.model
-        meta = self.metadata
-        geometry: dict[str, int | float | str] = {
-            "n_layer": int(llama_cpp.llama_model_n_layer(model)),
-            "n_embd": int(llama_cpp.llama_model_n_embd(model)),
-            "n_head": int(llama_cpp.llama_model_n_head(model)),
-            "n_head_kv": int(llama_cpp.llama_model_n_head_kv(model)),
-            "n_vocab": int(self._n_vocab),
-            "n_ctx_train": int(llama_cpp.llama_model_n_ctx_train(model)),
-        }
-        p = self.context_params
-        layout = self.kv_layout
-        return CacheIdentity(
-            model=ModelIdentity(
-                digest=file_digest(self.model_path),
-                architecture=str(meta.get("general.architecture", "unknown")),
-                geometry=geometry,
-                name=Path(self.model_path).name,
-            ),
-            layout_digest=layout.digest() if layout is not None else "none",
-            type_k=int(p.type_k),
-            type_v=int(p.type_v),
-            flash_attn=p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            v_trans=bool(layout.v_trans) if layout is not None else False,
-            rope_freq_base=float(p.rope_freq_base),
-            rope_freq_scale=float(p.rope_freq_scale),
-            yarn=(
-                float(p.yarn_ext_factor),
-                float(p.yarn_attn_factor),
-                float(p.yarn_beta_fast),
-                float(p.yarn_beta_slow),
-                float(p.yarn_orig_ctx),
-                float(p.rope_scaling_type),
-            ),
-            n_swa=int(llama_cpp.llama_model_n_swa(model)),
-            kv_unified=bool(self.context_params.kv_unified),
-            backend="any" if self.cache_settings.cross_backend else native.backend_name(),
-            namespace=self.cache_settings.namespace,
-        )
+        return build_identity(self, self.cache_settings, self.kv_layout)
 
     # -- the cached paths -----------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,12 @@ from skippy_llama.identity import (
     ModelIdentity,
     chain_key,
     file_digest,
+    file_stamp,
     page_keys,
     paging_refusal,
+    process_digest,
+    record_file_digest,
+    stderr_progress,
 )
 
 
@@ -61,6 +66,7 @@ CHANGES = {
     "namespace": "tenant-b",
     "state_format": 2,
     "page_format": 2,
+    "params": {"lora": {"digest": "xxh3:" + "a" * 32, "scale": 1.0}},
 }
 
 
@@ -106,6 +112,72 @@ def test_file_digest_memoized_and_content_sensitive(tmp_path: Path) -> None:
     assert file_digest(model, memo=memo) == first
     model.write_bytes(b"GGUF" + bytes(999) + b"\x01")
     assert file_digest(model, memo=memo) != first
+
+
+def test_file_digest_memo_does_not_survive_an_in_place_rewrite(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    memo = tmp_path / "memo.json"
+    model.write_bytes(b"GGUF" + bytes(4096))
+    first = file_digest(model, memo=memo)
+    before = model.stat()
+    with model.open("r+b") as f:  # same size, same inode
+        f.seek(100)
+        f.write(b"\x01")
+    os.utime(model, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = model.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        before.st_size,
+        before.st_mtime_ns,
+        before.st_ino,
+    )
+    assert file_digest(model, memo=memo) != first
+
+
+def test_recorded_digest_is_reused_only_for_the_stamp_it_was_verified_at(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    memo = tmp_path / "memo.json"
+    model.write_bytes(b"GGUF" + bytes(64))
+    stamp = file_stamp(model)
+    assert record_file_digest(model, "sha256:" + "5" * 64, stamp, memo=memo)
+    assert file_digest(model, memo=memo) == "sha256:" + "5" * 64  # no second hash
+    model.write_bytes(b"GGUF" + bytes(63) + b"\x02")
+    assert not record_file_digest(model, "sha256:" + "5" * 64, stamp, memo=memo)
+    assert file_digest(model, memo=memo).startswith("xxh3:")
+
+
+def test_file_digest_reports_progress_for_large_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import skippy_llama.identity as identity
+
+    monkeypatch.setattr(identity, "PROGRESS_BYTES", 1 << 20)
+    monkeypatch.setattr(identity, "_DIGEST_CHUNK", 1 << 19)
+    big, small = tmp_path / "big.gguf", tmp_path / "small.gguf"
+    big.write_bytes(bytes(3 << 19))
+    small.write_bytes(bytes(1000))
+    seen: list[tuple[int, int]] = []
+    file_digest(big, memo=tmp_path / "memo.json", progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(1 << 19, 3 << 19), (2 << 19, 3 << 19), (3 << 19, 3 << 19)]
+    seen.clear()
+    file_digest(small, memo=tmp_path / "memo.json", progress=lambda d, t: seen.append((d, t)))
+    assert seen == []
+
+
+def test_stderr_progress_prints_tenths(capsys: pytest.CaptureFixture[str]) -> None:
+    report = stderr_progress("model.gguf")
+    for done in range(0, 101, 5):
+        report(done, 100)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 11 and "model.gguf" in lines[-1] and "100%" in lines[-1]
+
+
+def test_process_identity_is_never_durable_nor_shared() -> None:
+    a, b = process_digest(), process_digest()
+    assert a != b
+    ident = _identity(digest=a)
+    assert not ident.durable and not ident.model.durable
+    assert _identity().durable
+    assert ident.root != _identity().root
 
 
 def test_recurrent_models_are_not_paged() -> None:
