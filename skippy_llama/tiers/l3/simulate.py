@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...sizes import format_size, human_size
 from .policies import LIVE_POLICIES, make_policy
 from .policy_api import PageStats, Policy
 from .trace import LookupEvent, RecordEvent, TraceEvent
@@ -308,8 +309,6 @@ def sweep(
 def format_table(results: Sequence[SimResult], *, baseline: str = "lru") -> str:
     """A fixed-width table: one row per budget and policy, saved seconds also relative to
     ``baseline`` under the same budget."""
-    from ...sizes import human_size
-
     base = {r.budget: r.saved_s for r in results if r.policy == baseline}
     header = (
         f"{'budget':>10} {'policy':>8} {'saved s':>10} {'x ' + baseline:>8} "
@@ -320,7 +319,7 @@ def format_table(results: Sequence[SimResult], *, baseline: str = "lru") -> str:
         ref = base.get(r.budget)
         ratio = f"{r.saved_s / ref:.2f}" if ref else "-"
         lines.append(
-            f"{human_size(r.budget):>10} {r.policy:>8} {r.saved_s:>10.2f} {ratio:>8} "
+            f"{format_size(r.budget):>10} {r.policy:>8} {r.saved_s:>10.2f} {ratio:>8} "
             f"{r.saved_tokens:>10} {100 * r.hit_ratio:>6.1f} {100 * r.token_hit_ratio:>9.1f} "
             f"{human_size(r.bytes_written):>10} {r.pages_evicted:>8}"
         )
