@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skippy_llama.admission import CostModel
 from skippy_llama.tiers.l3 import synthetic
 from skippy_llama.tiers.l3.costs import CostBook, CostRates
 from skippy_llama.tiers.l3.policies import ReusePolicy
@@ -185,7 +186,9 @@ def test_trace_writer_holds_no_token_ids(tmp_path: Path) -> None:
     path = tmp_path / "live.jsonl"
     writer = TraceWriter(path, page_tokens=128)
     tokens = np.arange(40_000, 40_300, dtype=np.int32)
-    writer.lookup(b"\x01" * 16, tokens, 299, 256, "l3", (0.004, 2e-9))
+    costs = CostModel()
+    costs.observe_prefill(1000, 4.0)
+    writer.lookup(b"\x01" * 16, tokens, 299, 256, "l3", costs)
     writer.record(b"\x01" * 16, tokens, 298)
     writer.learn_payloads(payload_bytes=128 * 1000, n_tokens=128)
     writer.close()
@@ -194,6 +197,7 @@ def test_trace_writer_holds_no_token_ids(tmp_path: Path) -> None:
     assert lines[0]["tokens"] == [128, 128, 43]
     assert lines[1]["bytes"] == [128_000, 128_000, 42_000]
     assert lines[0]["hit_tokens"] == 256 and lines[0]["prefill_s_per_token"] == 0.004
+    assert lines[0]["restore_s_per_byte"] is None
     numbers = [n for line in lines for v in line.values() if isinstance(v, list) for n in v]
     assert not any(isinstance(n, int) and 40_000 <= n < 40_300 for n in numbers)
     assert all(len(k) == 16 for line in lines for k in line["keys"])
@@ -227,8 +231,6 @@ def test_cost_book_round_trip_and_garbage() -> None:
 
 
 def test_cost_book_seeds_a_restarted_cost_model() -> None:
-    from skippy_llama.admission import CostModel
-
     learned = CostModel()
     learned.observe_prefill(256, 1.0)
     learned.observe_restore(1_000_000, 0.002)

@@ -34,6 +34,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
+from ...admission import CostModel
 from ...errors import ConfigError, SkippyError
 from ...identity import chain_key
 
@@ -172,12 +173,15 @@ class TraceWriter:
         limit: int,
         hit_tokens: int,
         tier: str,
-        costs: tuple[float | None, float | None] = (None, None),
+        costs: CostModel | None = None,
     ) -> None:
-        """Trace a lookup of ``tokens[:limit]`` that the live tiers answered with ``hit_tokens``."""
+        """Trace a lookup of ``tokens[:limit]`` that the live tiers answered with ``hit_tokens``,
+        with the cost model's current rates."""
         keys, counts = page_keys(root, tokens, limit, self.page_tokens)
+        prefill = costs.prefill_seconds_per_token if costs is not None else None
+        restore = costs.restore_seconds_per_byte if costs is not None else None
         event = LookupEvent(
-            time.time(), keys, counts, len(tokens), hit_tokens, tier, costs[0], costs[1]
+            time.time(), keys, counts, len(tokens), hit_tokens, tier, prefill, restore
         )
         with self._lock:
             self._flush_pending()
