@@ -63,8 +63,6 @@ def _budgets(values: list[str]) -> list[int]:
             budgets.append(parse_size(value))
         except ValueError as exc:
             raise ConfigError(f"invalid --budget {value!r}: {exc} (example: 2GiB)") from None
-        if budgets[-1] <= 0:
-            raise ConfigError(f"invalid --budget {value!r}: must be positive (example: 2GiB)")
     if len(budgets) == 1:
         budgets = [max(int(budgets[0] * f), 1) for f in SWEEP]
     return sorted(set(budgets))
