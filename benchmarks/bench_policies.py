@@ -76,6 +76,7 @@ def bench_synthetic() -> list[dict[str, Any]]:
 def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str, Any]]:
     from skippy_llama.config import Settings
     from skippy_llama.runtime.llama import SkippyLlama
+    from skippy_llama.sizes import format_size
 
     out = []
     for workload in synthetic.WORKLOADS:
@@ -86,7 +87,7 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
                 l1={"enabled": False},
                 l3={
                     "mode": "fixed",
-                    "budget": budget,
+                    "budget": format_size(budget),
                     "directory": str(Path(scratch) / "l3"),
                     "minimum_free": "1GiB",
                     "trace_file": str(trace_path),
