@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from .events import Tier
 from .identity import CacheIdentity, chain_key, token_bytes
 from .state import SequenceState, slice_state, sort_by_position
 from .tiers.disk import DiskTier
+from .tiers.l3.trace import TraceWriter
 from .tiers.ram import RamTier
 from .tiers.records import PageBlob, PrefixRecord
 from .tiers.resident import ResidentIndex, common_prefix
@@ -134,6 +136,12 @@ class PrefixCache:
         self.disk = disk
         self.admission = admission
         self.counters = CacheCounters()
+        # the opt-in L3 trace (l3.trace_file or SKIPPY_TRACE) for `kv-cache simulate`
+        self.trace = (
+            TraceWriter.from_settings(disk.settings.trace_file, page_tokens) if disk else None
+        )
+        if self.trace is not None:
+            weakref.finalize(self, self.trace.close)
         if ram is not None and disk is not None:
             disk.add_removal_listener(ram.invalidate)
 
@@ -157,6 +165,9 @@ class PrefixCache:
             if deep is not None and deep.n_tokens > best.n_tokens:
                 best = deep
             notes = deep.fallbacks if deep is not None else ()
+        if self.trace is not None:
+            costs = self.admission.costs if self.admission is not None else None
+            self.trace.lookup(self.root, tokens, limit, best.n_tokens, best.tier, costs)
         if best.n_tokens > 0:
             self.counters.hits[best.tier] += 1
         else:
@@ -281,6 +292,8 @@ class PrefixCache:
         """
         if self.disk is None or not self.disk.serving or point <= 0:
             return None
+        if self.trace is not None:
+            self.trace.record(self.root, tokens, point)
         # queued pages count: the previous request's record may still wait for the writer
         path = self._walk(tokens, point, queued=True)
         if path.n_tokens >= point:
@@ -312,6 +325,9 @@ class PrefixCache:
                     key, parent, end - start, token_bytes(tokens[start:end]), payload, end - start
                 )
             )
+        if self.trace is not None:
+            new_bytes = sum(len(p.payload or b"") for p in pages)
+            self.trace.learn_payloads(new_bytes, sum(end - start for _, _, start, end in plan.new))
         record = PrefixRecord(
             cache_identity=self.identity.hex,
             model_identity=self.identity.model.id,

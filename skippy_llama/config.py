@@ -39,6 +39,12 @@ from .sizes import format_size, parse_size
 
 CONFIG_ENV = "SKIPPY_CONFIG"
 GiB = 1 << 30
+MiB = 1 << 20
+#: The smallest useful L3 store: below it a few long prompts' pages do not fit at once, so every
+#: record evicts the last one (the store's ``ENTRY_FLOOR``; a fixed budget under it is an error).
+L3_BUDGET_FLOOR = 64 * MiB
+#: L3 admission/eviction policies a store can run (``skippy_llama.tiers.l3.policies``).
+L3Policy = Literal["reuse", "lru", "shipped"]
 
 Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(format_size, return_type=str)]
 
@@ -68,6 +74,8 @@ _EXAMPLES = {
     "l3.directory": "'/var/cache/skippy-llama'",
     "l3.minimum_free": "'16GiB'",
     "l3.writer_queue": "64",
+    "l3.policy": "'reuse' (default), 'lru' or 'shipped'",
+    "l3.trace_file": "'/tmp/skippy-trace.jsonl'",
 }
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -79,6 +87,13 @@ def _absolute(value: object) -> Path:
     path = Path(str(value)).expanduser()
     if not path.is_absolute():
         raise ValueError(f"directory {str(value)!r} must be an absolute path")
+    return path
+
+
+def _absolute_file(value: object) -> Path:
+    path = Path(str(value)).expanduser()
+    if not path.is_absolute():
+        raise ValueError(f"file {str(value)!r} must be an absolute path")
     return path
 
 
@@ -138,6 +153,21 @@ class L3Settings(BaseModel):
     compression: Compression = Field(
         "zstd", description="how pages are stored: zstd (lossless, byte-shuffled) or none"
     )
+    policy: L3Policy = Field(
+        "reuse",
+        description=(
+            "admission and eviction: reuse (frequency- and cost-aware, the default), lru, or "
+            "shipped (the first release's probation policy); compare them on your own traffic "
+            "with `skippy-llama kv-cache simulate`"
+        ),
+    )
+    trace_file: Annotated[Path, BeforeValidator(_absolute_file)] | None = Field(
+        None,
+        description=(
+            "append a JSON line per L3 lookup and record here (hashed page keys and sizes, no "
+            "tokens or text) for `kv-cache simulate`; SKIPPY_TRACE=FILE does the same"
+        ),
+    )
 
     @field_validator("minimum_free")
     @classmethod
@@ -145,6 +175,16 @@ class L3Settings(BaseModel):
         # A field validator (not the model one) so the error is located at l3.minimum_free.
         if value < GiB:
             raise ValueError(f"{format_size(value)} is below the 1GiB floor")
+        return value
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_floor(cls, value: int | None) -> int | None:
+        if value is not None and value < L3_BUDGET_FLOOR:
+            raise ValueError(
+                f"{format_size(value)} is below the {format_size(L3_BUDGET_FLOOR)} floor, the "
+                "smallest useful L3 store"
+            )
         return value
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from ..errors import ConfigError, SkippyError
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
 from ..tiers.records import DiskStatus
+from . import simulate
 from .options import (
     add_kv_dtype_arguments,
     add_settings_arguments,
@@ -67,6 +68,7 @@ def register(sub: Any) -> None:
     clear.add_argument("--json", action="store_true", help="print the result as JSON")
     add_settings_arguments(clear)
     clear.set_defaults(handler=cmd_clear)
+    simulate.register(actions)
 
 
 # ---------------------------------------------------------------------- helpers

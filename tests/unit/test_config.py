@@ -161,3 +161,21 @@ def test_settings_flags_only_given_flags_are_cli(
     bad = parser.parse_args(["--l3-minimum-free", "512MiB"])
     with pytest.raises(ConfigError, match=r"l3\.minimum_free"):
         settings_from_args(bad)
+
+
+def test_l3_budget_below_floor_policy_and_trace_file() -> None:
+    """Issue 15: an L3 budget under the 64 MiB floor is rejected at start-up naming l3.budget;
+    l3.policy and l3.trace_file are validated and named too."""
+    from skippy_llama.config import L3_BUDGET_FLOOR
+
+    with pytest.raises(ConfigError, match=r"l3\.budget = '16MiB'.*below the 64MiB floor"):
+        load_settings({"l3": {"mode": "fixed", "budget": "16MiB"}})
+    ok = load_settings({"l3": {"mode": "fixed", "budget": "64MiB"}}).settings.l3
+    assert ok.budget == L3_BUDGET_FLOOR and ok.policy == "reuse" and ok.trace_file is None
+    with pytest.raises(ConfigError, match=r"l3\.policy = 'fifo'.*'reuse'"):
+        load_settings({"l3": {"policy": "fifo"}})
+    with pytest.raises(ConfigError, match=r"l3\.trace_file = 'trace\.jsonl'.*absolute"):
+        load_settings({"l3": {"trace_file": "trace.jsonl"}})
+    traced = load_settings({"l3": {"policy": "lru", "trace_file": "/tmp/t.jsonl"}})
+    assert str(traced.settings.l3.trace_file) == "/tmp/t.jsonl"
+    assert traced.sources["l3.policy"] == "cli"
