@@ -78,7 +78,9 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
         assert plain_out == expected
     skippy_prefill = sum(e.suffix_tokens for e in events)
     assert len(plain.prefilled) == len(events) == 16
-    assert skippy_prefill <= 0.4 * plain_prefill, (skippy_prefill, plain_prefill)
+    # where reuse ends on canonical batch boundaries, each request may prefill up to a granule more
+    slack = (skippy.granule - 1) * len(events)
+    assert skippy_prefill <= 0.4 * plain_prefill + slack, (skippy_prefill, plain_prefill)
     # every later turn of a conversation is served from a resident prefix
     assert all(e.tier == "l1" and e.cached_tokens > 0 for e in events[4:])
     # chat replies are repaired by default (l1.repair_generated "auto") when the next request
