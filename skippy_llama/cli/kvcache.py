@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from ..config import LoadedSettings
+from ..config import LoadedSettings, Settings
 from ..errors import ConfigError, SkippyError
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
@@ -143,11 +143,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     report["kv_dtype"] = resolution.to_dict()
     if package is not None:
         report["kv_dtype"]["package"] = package.summary()
+    report["l1"] = l1_memory(loaded.settings)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False))
     else:
         print(format_status(report))
     return 0
+
+
+def l1_memory(settings: Settings) -> dict[str, Any]:
+    """What L1 will hold beside the context, in tokens and as a multiple of plain Llama's KV."""
+    l1 = settings.l1
+    if not l1.enabled:
+        return {"enabled": False, "summary": "off"}
+    budget = l1.budget_tokens
+    share = "≤ 2×" if budget is None else f"1 + {budget}/n_ctx ×"
+    return {
+        "enabled": True,
+        "max_prefixes": l1.max_prefixes,
+        "budget_tokens": budget if budget is not None else "n_ctx",
+        "summary": (
+            f"up to {l1.max_prefixes} resident prefixes (device checkpoints), "
+            f"{budget if budget is not None else 'n_ctx'} tokens in all: KV memory {share} "
+            "that of plain Llama at the same n_ctx"
+        ),
+    }
 
 
 def status_report(loaded: LoadedSettings, status: DiskStatus, tier: DiskTier) -> dict[str, Any]:
@@ -218,6 +238,9 @@ def format_status(report: dict[str, Any]) -> str:
                 )
         else:
             lines.append("inventory: empty")
+    l1 = report.get("l1")
+    if l1 is not None:
+        lines.append(f"L1: {l1['summary']}")
     kv = report.get("kv_dtype")
     if kv is not None:
         lines.append(f"live K/V dtype: K={kv['type_k']} V={kv['type_v']} by {kv['rule']}")

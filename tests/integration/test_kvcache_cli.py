@@ -211,9 +211,14 @@ def test_status_json(tmp_path: Path, home: dict[str, str]) -> None:
         "tokens": 4 * 128,
     }
     assert inventory["m2"]["manifests"] == 1
+    # what L1 will hold beside the context: by default n_ctx tokens, ≤ 2× plain Llama's KV
+    assert report["l1"]["enabled"] is True and report["l1"]["budget_tokens"] == "n_ctx"
     human = cli("kv-cache", "status", *flags(store), environ=home)
     assert human.returncode == 0 and "L3 disk cache: active" in human.stdout
     assert "l3.mode = 'fixed' (cli)" in human.stdout
+    assert "KV memory ≤ 2× that of plain Llama" in human.stdout
+    budget = status_json(store, environ=dict(home, SKIPPY_L1__BUDGET_TOKENS="8192"))
+    assert budget["l1"]["budget_tokens"] == 8192
 
 
 def test_status_off_creates_no_directory(tmp_path: Path, home: dict[str, str]) -> None:
