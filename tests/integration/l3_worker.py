@@ -31,6 +31,7 @@ def main(spec: dict[str, Any]) -> None:
         "state_at_open": None if disk is None else disk.state,
         "outputs": [],
         "events": [],
+        "granule": llm.granule,
     }
     if spec.get("start_at"):
         time.sleep(max(0.0, spec["start_at"] - time.time()))

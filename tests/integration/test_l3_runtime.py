@@ -21,7 +21,7 @@ from typing import Any
 import diskcache
 import llama_cpp
 import pytest
-from modelhelpers import TEXT
+from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import L3Settings, Settings
 from skippy_llama.runtime.llama import DECODED_SUFFIX, SkippyLlama
@@ -202,9 +202,22 @@ def store(golden: dict[str, Any], tmp_path: Path) -> Path:
     return target
 
 
+def repeat_point(worker: dict[str, Any], index: int) -> int:
+    """Tokens a repeat of the worker's prompt ``index`` reuses: all but the two always decoded,
+    rounded down to the canonical granule (1 on the CPU with flash attention off)."""
+    n = worker["events"][index]["prompt_tokens"] - DECODED_SUFFIX
+    return n - n % worker["granule"]
+
+
+def later_tiers(worker: dict[str, Any], tier: str) -> set[str]:
+    """Tiers a worker's later requests may report where they were expected to use ``tier``: with
+    canonical batching L1 can offer exactly as many tokens as L2/L3, and L1 wins a tie."""
+    return {tier} if worker["granule"] == 1 else {tier, "l1"}
+
+
 def prompt_manifest(golden: dict[str, Any], store: Path, index: int) -> list[list[Any]]:
     """Pages of the manifest recorded for PROMPTS[index] (the prefix a repeat can reuse)."""
-    return manifests(store)[golden["events"][index]["prompt_tokens"] - DECODED_SUFFIX]
+    return manifests(store)[repeat_point(golden, index)]
 
 
 # ---------------------------------------------------------------------- 1. restart
@@ -221,7 +234,8 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     b = run_worker(smollm2_path, l3_env(store), PROMPTS)
 
     assert b["outputs"] == reference[:3]
-    assert [e["tier"] for e in b["events"]] == ["l3", "l3", "l3"]
+    assert b["events"][0]["tier"] == "l3"
+    assert {e["tier"] for e in b["events"][1:]} <= later_tiers(b, "l3")
     cached = sum(e["cached_tokens"] for e in b["events"])
     prompt = sum(e["prompt_tokens"] for e in b["events"])
     assert cached / prompt >= 0.9, (cached, prompt)
@@ -329,7 +343,8 @@ def test_low_space_serves_reads_and_writes_nothing(
     assert empty["status"]["process_activity"]["dropped_low_space"] >= 1  # refused, not lost
     assert [e["tier"] for e in empty["events"]] == ["cold", "l1"]
     # the store filled earlier still serves: reads are not refused for low space
-    assert [e["tier"] for e in filled["events"]] == ["l3", "l3"]
+    assert filled["events"][0]["tier"] == "l3"
+    assert filled["events"][1]["tier"] in later_tiers(filled, "l3")
     assert filled["status"]["process_activity"]["hits"] == 2
     assert filled["status"]["usage"]["pages"] == pages_before
 
@@ -353,7 +368,7 @@ def test_flipped_byte_is_quarantined_and_never_served(
     assert b["outputs"] == reference[:3]
     first = b["events"][0]
     assert first["tier"] == "l3" and first["cached_tokens"] == 128  # page 0 only: shorter
-    assert first["cached_tokens"] < golden["events"][0]["prompt_tokens"] - DECODED_SUFFIX
+    assert first["cached_tokens"] < repeat_point(golden, 0)
     status = b["status"]
     assert status["process_activity"]["corrupt_entries"] == 1
     assert status["activity"]["corrupt_entries"] >= 1
@@ -366,7 +381,7 @@ def test_flipped_byte_is_quarantined_and_never_served(
     assert c["outputs"] == reference[:1]
     assert c["status"]["reconciliation"]["quarantined_total"] == 1
     assert c["events"][0]["tier"] == "l3"
-    assert c["events"][0]["cached_tokens"] == c["events"][0]["prompt_tokens"] - DECODED_SUFFIX
+    assert c["events"][0]["cached_tokens"] == repeat_point(c, 0)
 
 
 # ---------------------------------------------------------------------- 6. identity
@@ -409,7 +424,7 @@ def test_identity_changes_miss_in_l3(
     assert event is not None and event.tier == tier
     if tier == "l3":
         # all but the two prompt tokens that are always decoded
-        assert event.cached_tokens == event.prompt_tokens - DECODED_SUFFIX > 128
+        assert event.cached_tokens == aligned(llm, event.prompt_tokens - DECODED_SUFFIX) >= 128
         assert activity.hits == 1
     else:
         assert event.cached_tokens == 0 and activity.hits == 0 and activity.bytes_read == 0
@@ -441,7 +456,7 @@ def test_l2_mirrors_pages_after_the_second_fill(
     # is the first one L2 serves.
     assert [e.tier for e in events] == ["l3", "l3", "l2"]
     assert len({e.cached_tokens for e in events}) == 1
-    assert events[0].cached_tokens == events[0].prompt_tokens - DECODED_SUFFIX
+    assert events[0].cached_tokens == aligned(llm, events[0].prompt_tokens - DECODED_SUFFIX)
     assert len({e.restored_bytes for e in events}) == 1
     assert l3_hits == [1, 1, 0]  # L2 served the third request without an L3 read
     assert ram_status.promotions >= 3 and ram_status.hits >= 3
