@@ -239,7 +239,8 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     cached = sum(e["cached_tokens"] for e in b["events"])
     prompt = sum(e["prompt_tokens"] for e in b["events"])
     assert cached / prompt >= 0.9, (cached, prompt)
-    assert all(e["restored_bytes"] > 0 and not e["fallbacks"] for e in b["events"])
+    assert all(not e["fallbacks"] for e in b["events"])
+    assert all(e["restored_bytes"] > 0 for e in b["events"] if e["tier"] == "l3")
     mine = b["status"]["process_activity"]
     # stored pages are compressed (about 0.86 of the raw F16 bytes restored)
     assert (
@@ -345,7 +346,8 @@ def test_low_space_serves_reads_and_writes_nothing(
     # the store filled earlier still serves: reads are not refused for low space
     assert filled["events"][0]["tier"] == "l3"
     assert filled["events"][1]["tier"] in later_tiers(filled, "l3")
-    assert filled["status"]["process_activity"]["hits"] == 2
+    served = sum(e["tier"] == "l3" for e in filled["events"])
+    assert filled["status"]["process_activity"]["hits"] == served
     assert filled["status"]["usage"]["pages"] == pages_before
 
 
