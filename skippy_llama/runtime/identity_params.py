@@ -277,31 +277,6 @@ def has_longrope(model_path: str) -> bool:
         return True  # unreadable: assume the length matters (a miss, never a wrong hit)
 
 
-def device_names() -> list[str]:
-    """``name: description`` of every ggml backend device (the GPU model on GPU builds)."""
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
-        if (lib_dir / name).exists():
-            break
-    else:
-        return [native.backend_name()]
-    lib = ctypes.CDLL(str(lib_dir / name))
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
-        fn.restype = ctypes.c_char_p
-        fn.argtypes = [ctypes.c_void_p]
-    out = []
-    for i in range(int(lib.ggml_backend_dev_count())):
-        dev = lib.ggml_backend_dev_get(i)
-        out.append(
-            f"{lib.ggml_backend_dev_name(dev).decode()}: "
-            f"{lib.ggml_backend_dev_description(dev).decode()}"
-        )
-    return out
-
-
 def live_values(llm: llama_cpp.Llama, *, durable: bool, gpu: bool) -> dict[str, Any]:
     """Every identity or conditional field's live value, keyed as :func:`select_params` wants."""
     values: dict[str, Any] = {}
@@ -319,7 +294,7 @@ def live_values(llm: llama_cpp.Llama, *, durable: bool, gpu: bool) -> dict[str, 
     values["model.kv_overrides"] = canonical_kv_overrides(llm.kv_overrides)
     values["lora"] = lora_value(llm.lora_path, llm.lora_scale, durable=durable)
     if gpu:
-        values["device_names"] = device_names()
+        values["device_names"] = native.device_names()
     return values
 
 
@@ -336,7 +311,9 @@ def build_identity(llm: llama_cpp.Llama, settings: Settings, kv_layout: Any) -> 
     gpu = backend != "CPU"
     p = llm.context_params
     flash = p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    conditions = Conditions(gpu=gpu, flash_attn=flash, longrope=has_longrope(llm.model_path))
+    # within one process the context length is fixed, so only durable pages care about LongRoPE
+    longrope = durable and has_longrope(llm.model_path)
+    conditions = Conditions(gpu=gpu, flash_attn=flash, longrope=longrope)
     params = select_params(live_values(llm, durable=durable, gpu=gpu), conditions)
     geometry: dict[str, int | float | str] = {
         "n_layer": int(llama_cpp.llama_model_n_layer(model)),

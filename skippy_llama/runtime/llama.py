@@ -35,6 +35,7 @@ from ..events import CacheEvent
 from ..identity import CacheIdentity, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
+from ..roster import Verdict
 from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_state
 from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
@@ -159,14 +160,13 @@ class SkippyLlama(llama_cpp.Llama):
             )
         elif self.cache_disabled_reason is not None:
             log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
-        self.kv_layout = self._probe_layout() if self.cache_disabled_reason is None else None
-        # whether the loaded llama.cpp carries skippy's patches, certified for this model
-        self.native_verdict = native_verdict(
-            str(self.metadata.get("general.architecture", "unknown")),
-            native.backend_name(),
-            self.kv_layout,
-            allow_uncertified=settings.native.allow_uncertified,
-        )
+        self._kv_layout: KVLayout | None = None
+        self._layout_read = False
+        self._verdict: Verdict | None = None
+        if settings.l3.mode != "off":
+            # the durable identity and L3's pages need the layout now; L1 alone reads it only
+            # when asked (cache_status), so loading costs what plain Llama's does
+            self._kv_layout = self.kv_layout
         self.cache_identity = self._identity()
         disk, ram, admission = self._open_tiers()
         self.prefix_cache = PrefixCache(
@@ -176,7 +176,7 @@ class SkippyLlama(llama_cpp.Llama):
             ram=ram,
             disk=disk,
             admission=admission,
-            bytes_per_token=self.kv_layout.bytes_per_token if self.kv_layout else 0,
+            bytes_per_token=self._kv_layout.bytes_per_token if self._kv_layout else 0,
         )
 
     def _canonical_granule(self) -> int:
@@ -261,18 +261,53 @@ class SkippyLlama(llama_cpp.Llama):
 
     # -- context and identity -------------------------------------------------------------
 
-    def _probe_layout(self) -> KVLayout | None:
-        """Decode one token into the working sequence to read the live KV layout, then drop it."""
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """The byte layout of this context's KV cells (``None`` when unknown or not caching).
+
+        Read on first use: from one cell of the working sequence when it holds any, otherwise by
+        decoding one token into it and dropping it again.
+        """
+        if not self._layout_read and self.caching:
+            try:
+                self._kv_layout = self._read_layout()
+            except Exception as exc:  # fail-open: without a layout only L1 is used
+                log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
+                self._layout_read = True
+            else:
+                self._layout_read = self._kv_layout is not None or self.n_tokens == 0
+        return self._kv_layout
+
+    def _read_layout(self) -> KVLayout | None:
+        if native.seq_pos_max(self.ctx, WORKING_SEQ) >= 0:
+            if int(self.context_params.n_seq_max) <= SCRATCH_SEQ:
+                return None  # no spare sequence to share one cell with
+            one = native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, 0, 1)
+            return parse_state(one).layout
+        if self.n_tokens:
+            return None  # cleared behind llama-cpp-python's back: probing would hide it
         try:
-            native.seq_rm(self.ctx, WORKING_SEQ)
             self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
             return parse_state(native.get_seq_state(self.ctx, WORKING_SEQ)).layout
-        except Exception as exc:  # fail-open: without a layout only L1 is used
-            log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
-            return None
         finally:
             native.seq_rm(self.ctx, WORKING_SEQ)
             self.n_tokens = 0
+
+    @property
+    def native_verdict(self) -> Verdict:
+        """Whether the loaded llama.cpp carries skippy's patches, certified for this model."""
+        if self._verdict is None:
+            layout = self.kv_layout
+            verdict = native_verdict(
+                str(self.metadata.get("general.architecture", "unknown")),
+                native.backend_name(),
+                layout,
+                allow_uncertified=self.cache_settings.native.allow_uncertified,
+            )
+            if layout is None and not self._layout_read:
+                return verdict  # the layout may still become known: decide again then
+            self._verdict = verdict
+        return self._verdict
 
     def _identity(self) -> CacheIdentity:
         return build_identity(self, self.cache_settings, self.kv_layout)

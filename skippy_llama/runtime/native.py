@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
@@ -108,12 +110,61 @@ def seq_pos_max(ctx: Any, seq_id: int) -> int:
     return int(llama_cpp.llama_memory_seq_pos_max(memory(ctx), seq_id))
 
 
+@functools.cache
+def ggml() -> ctypes.CDLL | None:
+    """The ggml library loaded next to llama-cpp-python's libllama (``None`` if not found)."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
+        if (lib_dir / name).exists():
+            lib = ctypes.CDLL(str(lib_dir / name))
+            for fn in ("ggml_backend_reg_get", "ggml_backend_dev_get"):
+                getattr(lib, fn).restype = ctypes.c_void_p
+                getattr(lib, fn).argtypes = [ctypes.c_size_t]
+            for fn in ("ggml_backend_reg_name", "ggml_backend_dev_name"):
+                getattr(lib, fn).restype = ctypes.c_char_p
+                getattr(lib, fn).argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+            lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+            lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+            lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+            return lib
+    return None
+
+
 def backend_name() -> str:
-    """The compute backend of this llama.cpp build: ``CPU``, ``CUDA``, ``Metal``, ``Vulkan`` …"""
+    """The compute backend of this llama.cpp build: ``CPU``, ``CUDA``, ``Metal``, ``Vulkan`` …
+
+    Read from ggml's backend registry (the first non-CPU backend with a device); Vulkan, for
+    one, does not show in ``llama_print_system_info``.
+    """
     if not llama_cpp.llama_supports_gpu_offload():
         return "CPU"
+    lib = ggml()
+    if lib is not None:
+        for i in range(int(lib.ggml_backend_reg_count())):
+            reg = lib.ggml_backend_reg_get(i)
+            name = str(lib.ggml_backend_reg_name(reg).decode("utf-8", "replace"))
+            if name not in ("CPU", "BLAS", "RPC") and lib.ggml_backend_reg_dev_count(reg) > 0:
+                return name
     info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
     for name in _GPU_BACKENDS:
         if f"{name} :" in info or f"{name}:" in info:
             return name
     return "GPU"
+
+
+def device_names() -> list[str]:
+    """``name: description`` of every ggml backend device (the GPU model on GPU builds)."""
+    lib = ggml()
+    if lib is None:
+        return [backend_name()]
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        out.append(
+            f"{lib.ggml_backend_dev_name(dev).decode()}: "
+            f"{lib.ggml_backend_dev_description(dev).decode()}"
+        )
+    return out

@@ -339,3 +339,33 @@ def test_one_context_of_plain_size_and_resident_memory_within_the_budget(
     assert l1["budget_tokens"] == 1024
     assert 0 < l1["resident_tokens"] <= l1["budget_tokens"]
     assert skippy.prefix_cache.counters.parked >= 4
+
+
+def test_the_kv_layout_is_read_lazily_and_the_same_either_way(smollm2_path: Path) -> None:
+    # L1 alone needs no layout to serve requests: loading decodes nothing (plain Llama's load
+    # time); status reads it then, by a one-token probe before any request or from one live cell
+    prompt = "Document: " + TEXT
+    cold = ColdLlama(str(smollm2_path), n_ctx=1024, verbose=False)
+    try:
+        want = _complete(cold, prompt, max_tokens=8)
+    finally:
+        cold.close()
+    layouts = []
+    for status_first in (True, False):
+        skippy = SkippyLlama(
+            str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings()
+        )
+        try:
+            assert skippy.n_tokens == 0 and native.seq_pos_max(skippy.ctx, 0) < 0
+            if status_first:
+                assert skippy.cache_status()["kv_bytes_per_token"] > 0
+                assert skippy.n_tokens == 0 and native.seq_pos_max(skippy.ctx, 0) < 0
+            assert _complete(skippy, prompt, max_tokens=8) == want
+            if not status_first:
+                assert skippy.cache_status()["kv_bytes_per_token"] > 0
+            assert _complete(skippy, prompt, max_tokens=8) == want
+            layouts.append(skippy.kv_layout)
+            assert skippy.native_verdict.kind in ("stock", "certified", "uncertified")
+        finally:
+            skippy.close()
+    assert layouts[0] is not None and layouts[0] == layouts[1]

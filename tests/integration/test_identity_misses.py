@@ -199,6 +199,8 @@ def test_same_batch_split_hits_with_flash_attention(smollm2_path: Path, tmp_path
 def test_batch_split_is_neutral_on_cpu_without_flash_attention(
     smollm2_path: Path, tmp_path: Path
 ) -> None:
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("GPU build: the batch split changes K/V bytes, so it is identity there")
     _assert_hit(
         smollm2_path,
         tmp_path / "l3",

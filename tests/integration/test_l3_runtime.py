@@ -480,17 +480,17 @@ def test_truncated_and_deleted_page_files_fail_open(
         assert llm.last_cache_event is not None and llm.last_cache_event.tier == "l3"
         complete(llm, UNRELATED)
 
-        # truncate P1's own last page: P1 shares pages 0 and 1 with P0 and the start of P0's
-        # last page, up to where the two prompts branch; those stay intact
+        # truncate P1's own last page: P1 shares pages 0 and 1 with P0 (and, where its record
+        # reaches past the branch, the start of P0's third page); those stay intact
         pages = prompt_manifest(golden, store, 1)  # [key, tokens used, bytes, tokens in page]
-        assert len(pages) == 4 and pages[2][1] < pages[2][3] and pages[3][1] == pages[3][3]
-        assert pages[:2] == prompt_manifest(golden, store, 0)[:2]
+        assert len(pages) >= 3 and pages[:2] == prompt_manifest(golden, store, 0)[:2]
         tail = page_file(store, pages[-1][0])
         tail.write_bytes(tail.read_bytes()[: pages[-1][2] // 2])
         assert complete(llm, PROMPTS[1]) == reference[1]
         truncated = llm.last_cache_event
         assert truncated is not None
-        assert truncated.tier == "l3" and truncated.cached_tokens == 256 + pages[2][1]
+        intact = sum(page[1] for page in pages[:-1])
+        assert truncated.tier == "l3" and truncated.cached_tokens == aligned(llm, intact)
         assert disk.status().process_activity.corrupt_entries == 1
         complete(llm, UNRELATED)
 

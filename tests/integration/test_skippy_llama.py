@@ -85,8 +85,13 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     assert all(e.tier == "l1" and e.cached_tokens > 0 for e in events[4:])
     # chat replies are repaired by default (l1.repair_generated "auto") when the next request
     # leaves their chat, so the chat's next turn extends them; interleaving makes every request
-    # after the first leave the previous chat
-    assert all(e.repaired_tokens > 0 for e in events[1:])
+    # after the first leave the previous chat (where batches are split canonically, only the
+    # cells up to the previous prompt's last granule boundary are kept, and a prompt shorter
+    # than one granule keeps none: nothing to repair then)
+    if skippy.granule == 1:
+        assert all(e.repaired_tokens > 0 for e in events[1:])
+    else:
+        assert sum(e.repaired_tokens > 0 for e in events[1:]) >= len(events) // 2
     assert events[0].repaired_tokens == 0
 
 
