@@ -30,6 +30,7 @@ import llama_cpp
 import numpy as np
 
 from skippy_llama.config import Settings
+from skippy_llama.runtime import native
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
@@ -176,7 +177,8 @@ def main() -> None:
     }
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {
-        "backend": llama_cpp.llama_print_system_info().decode()[:200],
+        "backend": native.backend_name(),
+        "devices": native.device_names(),
         "settings": {k: v for k, v in common.items() if k != "verbose"},
         "sizes": [],
     }

@@ -61,7 +61,7 @@ def _repair_mode(value: Any) -> Any:
 #: When generated tokens are re-decoded as a batch (``l1.repair_generated``).
 Repair = Annotated[Literal["auto", "always", "never"], BeforeValidator(_repair_mode)]
 #: How L3 stores page bytes (see ``skippy_llama.codecs``).
-Compression = Literal["zstd", "none"]
+Compression = Literal["auto", "zstd", "none"]
 
 _EXAMPLES = {
     "page_tokens": "128",
@@ -151,7 +151,11 @@ class L3Settings(BaseModel):
         description="accept a store directory its group may write (everyone in it is trusted)",
     )
     compression: Compression = Field(
-        "zstd", description="how pages are stored: zstd (lossless, byte-shuffled) or none"
+        "auto",
+        description=(
+            "how pages are stored: zstd (lossless, byte-shuffled), none, or auto (zstd on CPU "
+            "builds; none on GPU builds, where decompressing costs more than the prefill it saves)"
+        ),
     )
     policy: L3Policy = Field(
         "reuse",

@@ -63,9 +63,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--l3-compression",
-        choices=("zstd", "none"),
+        choices=("auto", "zstd", "none"),
         default=None,
-        help="how L3 stores pages: zstd (lossless, the default) or none",
+        help="how L3 stores pages: zstd (lossless), none, or auto (the default: zstd on CPU "
+        "builds, none on GPU builds)",
     )
     group.add_argument(
         "--repair-generated",

@@ -224,7 +224,12 @@ class SkippyLlama(llama_cpp.Llama):
             )
             return None, None, None
         admission = AdmissionPolicy()
-        disk = DiskTier(settings.l3, admission=admission)
+        l3 = settings.l3
+        if l3.compression == "auto":
+            # a GPU prefill outruns single-page decompression: store pages as they are there
+            codec = "zstd" if native.backend_name() == "CPU" else "none"
+            l3 = l3.model_copy(update={"compression": codec})
+        disk = DiskTier(l3, admission=admission)
         if not disk.serving:
             log.warning(
                 "skippy-llama: L3 is %s (%s); continuing without it", disk.state, disk.reason

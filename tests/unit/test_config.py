@@ -49,7 +49,7 @@ def test_repair_generated_takes_modes_and_booleans(value: object, mode: str) -> 
 
 def test_defaults_repair_chat_replies_and_compress_pages() -> None:
     settings = load_settings().settings
-    assert settings.l1.repair_generated == "auto" and settings.l3.compression == "zstd"
+    assert settings.l1.repair_generated == "auto" and settings.l3.compression == "auto"
 
 
 @pytest.mark.parametrize(("overrides", "field", "fragment"), REJECTIONS)

@@ -439,3 +439,19 @@ def test_range_state_slices_by_absolute_position() -> None:
     with pytest.raises(StateFormatError, match="outside"):
         slice_state(state, 4, 8)
     assert [p.start for p in cut_pages(state, 4)] == [5, 9, 13]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_parallel_assembly_writes_the_same_bytes(
+    spec: Spec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # large blobs are assembled by a thread pool, one task per layer's K and V (transposed V
+    # included); forced on here for small states, it must write exactly the sequential bytes
+    import skippy_llama.state.pages as pages_module
+
+    content = make_content(spec, 37, seed=5)
+    state = parse_state(build_state(content).data, ext_bytes=spec.ext_bytes)
+    pages = [page_from_bytes(p.to_bytes()) for p in cut_pages(state, 8)]
+    sequential = bytes(assemble(pages, state.layout))
+    monkeypatch.setattr(pages_module, "PARALLEL_BYTES", 0)
+    assert bytes(assemble(pages, state.layout)) == sequential == build_state(content).data
