@@ -54,6 +54,9 @@ WORKING_SEQ = 0
 DECODED_SUFFIX = 2
 #: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
 SCRATCH_SEQ = 1
+#: K/V types whose device checkpoints llama.cpp copies whole: F32, F16 and BF16 (ggml type 30,
+#: which llama-cpp-python does not name)
+_DEVICE_CHECKPOINT_TYPES = frozenset((llama_cpp.GGML_TYPE_F32, llama_cpp.GGML_TYPE_F16, 30))
 
 _context_hook = threading.local()
 
@@ -142,6 +145,11 @@ class SkippyLlama(llama_cpp.Llama):
             arch = str(self.metadata.get("general.architecture", "unknown"))
             self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
         self.granule = self._canonical_granule()
+        # llama.cpp's device checkpoints view a quantized K/V range as size / type_size
+        # *elements* (blocks, not elements: 1/32 of a Q8_0 range is copied), so a restore brings
+        # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
+        p = self.context_params
+        self._on_device = all(t in _DEVICE_CHECKPOINT_TYPES for t in (p.type_k, p.type_v))
         resident: ResidentIndex | None = None
         self.l1_budget_tokens = 0
         if self.cache_disabled_reason is None and slots > 0:
@@ -152,10 +160,11 @@ class SkippyLlama(llama_cpp.Llama):
                 range(1, slots + 1), self.l1_budget_tokens, settings.page_tokens
             )
             log.info(
-                "skippy-llama: L1 keeps up to %d resident prefixes, %d tokens in all "
+                "skippy-llama: L1 keeps up to %d resident prefixes, %d tokens in all, in %s "
                 "(KV memory at most %.1fx plain Llama's)",
                 slots,
                 self.l1_budget_tokens,
+                "device checkpoints" if self._on_device else "host memory (quantized K/V)",
                 1 + self.l1_budget_tokens / self.n_ctx(),
             )
         elif self.cache_disabled_reason is not None:
@@ -464,7 +473,8 @@ class SkippyLlama(llama_cpp.Llama):
         """Copy a checkpoint into the working sequence and keep its first ``n_tokens`` cells."""
         resident = self.prefix_cache.resident
         assert found.seq_id is not None and resident is not None
-        native.restore_checkpoint(self.ctx, resident.entry(found.seq_id).handle, WORKING_SEQ)
+        handle = resident.entry(found.seq_id).handle
+        native.restore_checkpoint(self.ctx, handle, WORKING_SEQ, on_device=self._on_device)
         native.seq_rm(self.ctx, WORKING_SEQ, found.n_tokens, -1)
         self._adopt(tokens, found.n_tokens)
 
@@ -486,10 +496,12 @@ class SkippyLlama(llama_cpp.Llama):
             return
         try:
             for slot in plan.evict:
-                if slot != plan.seq_id:
+                if slot != plan.seq_id and self._on_device:
                     # a slot keeps its buffers until its next checkpoint: shrink it to one cell
                     native.checkpoint(self.ctx, WORKING_SEQ, slot, 1)
-            handle = native.checkpoint(self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens)
+            handle = native.checkpoint(
+                self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens, on_device=self._on_device
+            )
         except BaseException:
             resident.abandon_park(plan)
             raise

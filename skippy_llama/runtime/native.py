@@ -56,16 +56,17 @@ def capture_range(ctx: Any, src: int, scratch: int, p0: int, p1: int) -> bytearr
         llama_cpp.llama_memory_seq_rm(mem, scratch, -1, -1)
 
 
-def checkpoint(ctx: Any, src: int, slot: int, n_tokens: int) -> bytes:
-    """Keep a device copy of the first ``n_tokens`` cells of ``src`` under sequence id ``slot``.
+def checkpoint(ctx: Any, src: int, slot: int, n_tokens: int, *, on_device: bool = True) -> bytes:
+    """Keep a copy of the first ``n_tokens`` cells of ``src`` under sequence id ``slot``.
 
-    ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE`` makes llama.cpp copy the K/V tensors into buffers the
-    context holds for ``slot`` (VRAM on GPU builds, host RAM on CPU) and return only the cell
-    metadata, which :func:`restore_checkpoint` needs. A later checkpoint of the same slot
-    replaces the buffers, so only the newest metadata of a slot may ever be restored.
+    With ``on_device``, ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE`` makes llama.cpp copy the K/V tensors
+    into buffers the context holds for ``slot`` (VRAM on GPU builds, host RAM on CPU) and return
+    only the cell metadata, which :func:`restore_checkpoint` needs. A later checkpoint of the
+    same slot replaces the buffers, so only the newest metadata of a slot may ever be restored.
+    Without it, the whole sequence state is returned (host memory).
     """
     mem = memory(ctx)
-    flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+    flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE if on_device else 0
     llama_cpp.llama_memory_seq_cp(mem, src, slot, 0, n_tokens)
     try:
         size = _checked_size(
@@ -80,10 +81,10 @@ def checkpoint(ctx: Any, src: int, slot: int, n_tokens: int) -> bytes:
         llama_cpp.llama_memory_seq_rm(mem, slot, -1, -1)
 
 
-def restore_checkpoint(ctx: Any, meta: bytes, dst: int) -> None:
+def restore_checkpoint(ctx: Any, meta: bytes, dst: int, *, on_device: bool = True) -> None:
     """Copy a checkpoint (see :func:`checkpoint`) into sequence ``dst``, which is cleared first."""
     buf = (ctypes.c_uint8 * len(meta)).from_buffer_copy(meta)
-    flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+    flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE if on_device else 0
     read = int(llama_cpp.llama_state_seq_set_data_ext(ctx, buf, len(meta), dst, flags))
     if read != len(meta):
         raise TierError(f"restoring a checkpoint read {read} of {len(meta)} bytes")

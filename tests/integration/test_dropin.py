@@ -369,3 +369,38 @@ def test_the_kv_layout_is_read_lazily_and_the_same_either_way(smollm2_path: Path
         finally:
             skippy.close()
     assert layouts[0] is not None and layouts[0] == layouts[1]
+
+
+def test_quantized_kv_resident_prefixes_restore_their_own_cells(smollm2_path: Path) -> None:
+    # llama.cpp's device checkpoints copy 1/32 of a Q8_0 range (size / block size taken as
+    # elements), so a second resident prefix's bytes came back in the first's restore (found by
+    # the traffic matrix); quantized K/V keep host checkpoints and equal a cold prefill
+    shared = "Read the document and answer the question.\n\n"
+    docs = [TEXT * 2, OTHER * 2]
+    prompts = [
+        shared + docs[0] + "\nQuestion: what is it about?\nAnswer:",
+        shared + docs[1] + "\nQuestion: what is it about?\nAnswer:",
+        shared + docs[0] + "\nQuestion: who wrote it?\nAnswer:",
+    ]
+    kwargs: dict[str, Any] = {
+        "n_ctx": 1024,
+        "n_batch": 64,
+        "n_ubatch": 64,
+        "flash_attn": True,
+        "type_k": llama_cpp.GGML_TYPE_Q8_0,
+        "type_v": llama_cpp.GGML_TYPE_Q8_0,
+        "verbose": False,
+    }
+    cold = ColdLlama(str(smollm2_path), **kwargs)
+    try:
+        want = [_complete(cold, p, max_tokens=12) for p in prompts]
+    finally:
+        cold.close()
+    skippy = SkippyLlama(str(smollm2_path), cache_settings=Settings(), **kwargs)
+    try:
+        got = [_complete(skippy, p, max_tokens=12) for p in prompts]
+        event = skippy.last_cache_event
+    finally:
+        skippy.close()
+    assert event is not None and event.tier == "l1" and event.cached_tokens >= 128
+    assert got == want
