@@ -53,7 +53,9 @@ def _doc_prompt(cfg: MatrixConfig, doc: str, question: str, offset: int) -> str:
     text = _document(doc, cfg.doc_tickets, offset, cfg.doc_sentences)
     return (
         "Read the document and answer the question in one sentence.\n\n"
-        f"Document:\n{text}\n\nQuestion: {question}\nAnswer:"
+        # "Answer: The" rather than "Answer:": SmolLM2 ends most of these at once otherwise,
+        # and an empty reply compares nothing and times no decode
+        f"Document:\n{text}\n\nQuestion: {question}\nAnswer: The"
     )
 
 
@@ -107,7 +109,7 @@ def noreuse(cfg: MatrixConfig) -> list[MatrixRequest]:
         text = _document(doc, 0, 0, cfg.doc_sentences)
         prompt = (
             f"{openings[i % len(openings)]} {i + 1}.\n{body}\n\n{text}\n\n"
-            "Question: what is this text about?\nAnswer:"
+            "Question: what is this text about?\nAnswer: The"
         )
         out.append(MatrixRequest(label=f"oneshot {i + 1}", prompt=prompt))
     return out
