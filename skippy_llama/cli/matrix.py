@@ -45,6 +45,15 @@ decode time vs cold, and the seed's gates as pass/fail columns:
   p99 decode <= +5%
 The timing gates (restart, p99) are measurements of this run on this machine, not assertions.
 
+presets:
+  (default)  3 chats x 3 turns; 2 documents x 3 questions, each document + 20 ticket lines
+             (~1.2k tokens); restart over 2 documents; 4 no-reuse prompts; 16 tokens per reply;
+             n_ctx 4096, n_batch = n_ubatch = page_tokens = 128; llama.cpp's threads
+  --small    2 chats x 2 turns; 2 four-sentence documents x 2 questions; restart over 1
+             document; 2 no-reuse prompts; 8 tokens; n_ctx 2048, n_batch = page_tokens = 64;
+             1 thread (stable timings on a shared machine)
+  Any size flag below overrides the preset. The no-reuse row runs with the first K/V type.
+
 --portability: capture pages on one backend with cross_backend on and restore them on another,
 both ways; reports greedy agreement with the target's cold output and the max |delta logit| of
 the prompt's last logits. Skipped (with a message) when only one backend is present.

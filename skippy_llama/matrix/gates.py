@@ -33,10 +33,11 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def p99_slowdown(answers: Sequence[Answer], cold: Sequence[Answer]) -> float | None:
-    """p99 of every per-token gap of ``answers`` over that of ``cold``, minus 1."""
-    mine = percentile([t for a in answers for t in a.token_ms], 99)
-    ref = percentile([t for a in cold for t in a.token_ms], 99)
+def p99_slowdown(answers: Sequence[Answer], cold: Sequence[Answer], q: float = 99) -> float | None:
+    """The ``q``-th percentile of every per-token gap of ``answers`` over that of ``cold``,
+    minus 1 (p99 by default: the gate; the median separates a steady slowdown from a spike)."""
+    mine = percentile([t for a in answers for t in a.token_ms], q)
+    ref = percentile([t for a in cold for t in a.token_ms], q)
     if mine is None or ref is None or ref <= 0:
         return None
     return mine / ref - 1
@@ -101,6 +102,8 @@ def summarize(
         "decode_p99_ms": percentile([t for a in cell.answers for t in a.token_ms], 99),
         "cold_decode_p99_ms": percentile([t for a in cell.cold for t in a.token_ms], 99),
         "decode_p99_slowdown": slowdown,
+        "decode_p50_slowdown": p99_slowdown(cell.answers, cell.cold, 50),
+        "decode_gaps": sum(len(a.token_ms) for a in cell.answers),
         "gates": gates,
     }
 

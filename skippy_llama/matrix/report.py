@@ -47,16 +47,19 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Model `{Path(report['model']).name}`, llama.cpp build `{report['build_backend']}`, "
         f"backends {', '.join(b['name'] for b in report['backends'])}; commit "
-        f"`{report.get('commit') or 'unknown'}`; {report['seconds']:.0f} s. Ratios compare runs "
-        "made side by side in this run (cold plain `Llama` first, then each tier).",
+        f"`{report.get('commit') or 'unknown'}`; started {report.get('started', '?')}, "
+        f"{report['seconds']:.0f} s. Ratios compare runs made side by side in this run (cold "
+        "plain `Llama` first, then each tier). Decode Δ: the per-token gap against cold's, at "
+        "the 99th percentile (the gate) and the median; with a few dozen gaps per cell the p99 "
+        "is their maximum, so one stall of a shared machine fails it.",
         "",
         "Tiers: " + "; ".join(f"`{t}` = {d}" for t, d in TIER_DESCRIPTIONS.items()) + ".",
         "",
         "| backend | K/V | workload | tier | served by | cached/prompt | TTFT ÷ cold | "
-        "restart ÷ cold | bytes stored | WA | p99 decode Δ | "
+        "restart ÷ cold | bytes stored | WA | p99 decode Δ | p50 decode Δ | "
         + " | ".join(GATE_TITLES[g] for g in GATES)
         + " |",
-        "|" + "---|" * (12 + len(GATES)),
+        "|" + "---|" * (13 + len(GATES)),
     ]
     for r in report["rows"]:
         served = " ".join(f"{k}:{v}" for k, v in sorted(r["served"].items()))
@@ -66,6 +69,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_num(r['restart_ttft_ratio'])} | {_size(r['bytes_stored'])} | "
             f"{_num(r['write_amplification'], '{:.2f}')} | "
             f"{_num(r['decode_p99_slowdown'], '{:+.1%}')} | "
+            f"{_num(r.get('decode_p50_slowdown'), '{:+.1%}')} | "
             + " | ".join(_gate(r["gates"][g]) for g in GATES)
             + " |"
         )
