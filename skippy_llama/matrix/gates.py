@@ -96,6 +96,7 @@ def summarize(
             "l3_bytes_written": cell.store.bytes_written,
             "l3_pages": cell.store.pages,
             "l3_manifests": cell.store.manifests,
+            "l3_dropped_writes": cell.store.dropped_writes,
         },
         "identical_outputs": sum(same),
         "write_amplification": wa,

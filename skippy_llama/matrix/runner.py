@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings
+from ..config import L1Settings, Settings
 from ..packages.kvdtype import resolve_kv_dtype
 from ..runtime.baseline import ColdLlama, PlainLlama
 from ..runtime.llama import SkippyLlama
@@ -277,10 +277,11 @@ class GroupRunner:
         requests = workloads.noreuse(cfg)
         modes: dict[str, Any] = {
             "plain": TimedPlain(self.model, **self.kwargs),
-            "skippy": self._skippy(Settings(page_tokens=cfg.page_tokens)),  # type: ignore[call-arg]
+            # SkippyLlama's defaults (L1 on), stated so that SKIPPY_* variables cannot change them
+            "skippy": self._skippy(tier_settings(cfg, "l1", None)),
             "skippy_l3": self._skippy(
                 tier_settings(cfg, "l3", self._dir("noreuse")).model_copy(
-                    update={"l1": Settings().l1}  # type: ignore[call-arg]
+                    update={"l1": L1Settings()}
                 )
             ),
         }

@@ -3,7 +3,8 @@
 Write amplification is ``bytes_written / unique page bytes``: the page payload bytes the store
 wrote (counted by the store over every instance that used it, restarts included) over the
 distinct page bytes it holds at the end (nothing is evicted at the matrix's budgets). A page
-written twice, or rewritten after a restart, pushes it above 1.
+written twice, or rewritten after a restart, pushes it above 1. Only page payloads count: the
+manifests and page metadata the store writes beside them do not.
 """
 
 from __future__ import annotations
