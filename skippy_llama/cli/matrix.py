@@ -58,8 +58,11 @@ presets:
 both ways; reports greedy agreement with the target's cold output and the max |delta logit| of
 the prompt's last logits. Skipped (with a message) when only one backend is present.
 
-exit status: 0 when every output was exact (exact and L3 on = off), 1 otherwise; with --strict,
-1 when any gate failed.
+A step that fails (a K/V type a build cannot run, out of memory) is reported with its error and
+the rest of the matrix still runs.
+
+exit status: 0 when every output was exact (exact and L3 on = off) and no step failed, 1
+otherwise; with --strict, 1 when any gate failed.
 """
 
 
@@ -204,6 +207,8 @@ def handle(args: argparse.Namespace) -> int:
     totals = report["gate_totals"]
     for gate, t in totals.items():
         print(f"  {gate}: {t['pass']} pass, {t['fail']} fail, {t['n/a']} n/a")
+    for error in report["errors"]:
+        print(f"  FAILED {error['backend']} {error['kv']} {error['step']}: {error['error']}")
     inexact = totals["exact"]["fail"] + totals["l3_onoff"]["fail"]
     failed = sum(t["fail"] for t in totals.values())
-    return 1 if inexact or (args.strict and failed) else 0
+    return 1 if inexact or report["errors"] or (args.strict and failed) else 0

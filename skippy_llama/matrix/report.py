@@ -73,6 +73,11 @@ def markdown(report: dict[str, Any]) -> str:
             + " | ".join(_gate(r["gates"][g]) for g in GATES)
             + " |"
         )
+    if report.get("errors"):
+        lines += ["", "**Failed steps** (their cells are missing from the table):", ""]
+        lines += [
+            f"- {e['backend']} {e['kv']} {e['step']}: `{e['error']}`" for e in report["errors"]
+        ]
     lines += ["", "Gate totals (pass / fail / not applicable):", ""]
     for gate, t in report["gate_totals"].items():
         lines.append(f"- {GATE_TITLES[gate]}: {t['pass']} / {t['fail']} / {t['n/a']}")
@@ -101,6 +106,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("Not run (pass `--portability`).")
     elif port.get("skipped"):
         lines.append(f"Skipped: {port['skipped']}")
+    elif port.get("error"):
+        lines.append(f"Failed: `{port['error']}`")
     else:
         lines += [
             "Pages captured on the source backend with `cross_backend` on, restored on the "

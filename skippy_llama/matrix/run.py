@@ -69,18 +69,40 @@ def run_matrix(
     cells: list[dict[str, Any]] = []
     noreuse_raw: list[dict[str, Any]] = []
     low_space: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
+
+    def failed(backend: Backend, kv: str, step: str, exc: Exception) -> None:
+        # a build that cannot do one cell (a K/V type its kernels lack, out of memory) must not
+        # cost the rest of the matrix: the failure is reported as a row of its own
+        error = f"{type(exc).__name__}: {exc}"
+        errors.append({"backend": backend.name, "kv": kv, "step": step, "error": error})
+        say(f"!! {backend.name} {kv} {step} failed: {error}")
+
     for backend in backends:
         for kv in cfg.kv_types:
             say(f"== {backend.name} {kv}: loading the cold baseline")
-            group = GroupRunner(cfg, model, backend, kv, work, say)
+            try:
+                group = GroupRunner(cfg, model, backend, kv, work, say)
+            except Exception as exc:
+                failed(backend, kv, "load", exc)
+                continue
             try:
                 done: list[Cell] = []
                 for workload in cfg.workloads:
                     t0 = time.perf_counter()
                     say(f"-- {backend.name} {kv} {workload}: cold + {', '.join(cfg.tiers)}")
-                    done += group.run_workload(workload)
+                    try:
+                        done += group.run_workload(workload)
+                    except Exception as exc:
+                        failed(backend, kv, workload, exc)
+                        continue
                     say(f"   {time.perf_counter() - t0:.1f} s")
-                low = group.low_space() if any(t != "l1" for t in cfg.tiers) else None
+                low = None
+                if any(t != "l1" for t in cfg.tiers):
+                    try:
+                        low = group.low_space()
+                    except Exception as exc:
+                        failed(backend, kv, "low space", exc)
                 if low is not None:
                     low_space.append({"backend": backend.name, "kv": kv, **low})
                     say(
@@ -98,12 +120,19 @@ def run_matrix(
                     say(_cell_line(len(rows), total, row))
                 if cfg.n_noreuse and kv == cfg.kv_types[0]:
                     say(f"-- {backend.name} {kv} noreuse: plain, skippy, skippy_l3")
-                    noreuse_raw += group.noreuse()
+                    try:
+                        noreuse_raw += group.noreuse()
+                    except Exception as exc:
+                        failed(backend, kv, "noreuse", exc)
             finally:
                 group.close()
     port: dict[str, Any] | None = None
     if with_portability:
-        port = portability.run(cfg, model, backends, work, say)
+        try:
+            port = portability.run(cfg, model, backends, work, say)
+        except Exception as exc:
+            port = {"error": f"{type(exc).__name__}: {exc}"}
+            say(f"!! portability failed: {port['error']}")
         if port.get("skipped"):
             say(f"portability skipped: {port['skipped']}")
     return {
@@ -127,6 +156,7 @@ def run_matrix(
         "noreuse": gates.summarize_noreuse(noreuse_raw),
         "low_space": low_space,
         "portability": port,
+        "errors": errors,
         "cells": cells,
         "noreuse_raw": noreuse_raw,
     }

@@ -133,3 +133,25 @@ def test_cli_rejects_unknown_names_before_loading_anything(
     assert "--kv: q4_0 not in f16, q8_0" in capsys.readouterr().err
     assert main(["matrix", "--small"]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+
+
+def test_a_failing_step_is_reported_and_the_rest_runs(tmp_path: Path) -> None:
+    """A build that cannot make a context (here: no model file) costs its cells, not the run."""
+    from skippy_llama.matrix.run import run_matrix
+
+    cfg = SMALL.with_overrides(kv_types=("f16", "q8_0"), n_noreuse=0)
+    lines: list[str] = []
+    result = run_matrix(
+        cfg,
+        str(tmp_path / "missing.gguf"),
+        backends_for_build("CPU"),
+        "CPU",
+        tmp_path,
+        with_portability=True,
+        say=lines.append,
+    )
+    assert [(e["kv"], e["step"]) for e in result["errors"]] == [("f16", "load"), ("q8_0", "load")]
+    assert result["rows"] == [] and "skipped" in result["portability"]
+    assert any(line.startswith("!! CPU f16 load failed") for line in lines)
+    result.update(seconds=0.0)
+    assert "**Failed steps**" in report.markdown(result)
