@@ -68,65 +68,12 @@ GiB = 1 << 30
 
 # -- workloads -------------------------------------------------------------------------------
 
-_NAMES = ["Ana", "Ben", "Caro", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai"]
-_PLATFORMS = [
-    "an old ThinkPad running Debian",
-    "a Raspberry Pi 5 with a fan",
-    "a MacBook Air with eight gigabytes of memory",
-    "a Windows desktop with an old graphics card",
-    "a home server with sixty-four gigabytes of memory",
-    "a Steam Deck in desktop mode",
-    "a fanless mini PC under a television",
-]
-_PROBLEMS = [
-    "the first answer took almost a minute to appear",
-    "the installer stopped with an error about Python 3.8",
-    "the model file would not download behind the office proxy",
-    "answers were cut off after a few words",
-    "memory use kept growing during a long chat",
-    "the local server refused connections from another laptop",
-    "the cache directory slowly filled the whole disk",
-    "the chat template printed strange tags in every reply",
-    "the fan became very loud during prompt processing",
-]
-_FIXES = [
-    "upgrading Python and reinstalling the package",
-    "setting the proxy variables before the download",
-    "raising the maximum number of generated tokens",
-    "giving the cache a fixed budget and a reserve of free space",
-    "binding the server to the local network address",
-    "choosing a smaller quantized model",
-    "updating the chat template shipped with the model",
-    "limiting the number of CPU threads",
-]
-
 
 def handbook(n_tickets: int) -> str:
     """A long shared prefix: instructions, both documents and a deterministic ticket log."""
-    from skippy_llama.workload import DOCUMENTS, SYSTEM_PROMPT
+    from skippy_llama.workload import handbook as _handbook
 
-    lines = [
-        SYSTEM_PROMPT,
-        "",
-        "Reference material for support staff follows: two background articles and the log of "
-        "recently closed support tickets.",
-        "",
-        "Article on tides:",
-        DOCUMENTS["tides"],
-        "",
-        "Article on bread:",
-        DOCUMENTS["bread"],
-        "",
-        "Closed support tickets:",
-    ]
-    for i in range(n_tickets):
-        lines.append(
-            f"Ticket {101 + i}: {_NAMES[i % len(_NAMES)]} reported that "
-            f"{_PROBLEMS[(3 * i) % len(_PROBLEMS)]} on {_PLATFORMS[(5 * i + 2) % len(_PLATFORMS)]}. "
-            f"It was resolved by {_FIXES[(7 * i + 1) % len(_FIXES)]}, and the ticket was closed "
-            f"after {1 + (i * 4) % 9} days."
-        )
-    return "\n".join(lines)
+    return _handbook(n_tickets)
 
 
 RESTART_QUESTIONS_1 = [

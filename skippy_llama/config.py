@@ -228,7 +228,13 @@ class Settings(BaseSettings):
 
     page_tokens: int = Field(128, ge=16, le=8192, description="tokens per page")
     namespace: str = Field("", description="user namespace mixed into the cache identity")
-    cross_backend: bool = Field(False, description="share pages across CPU/CUDA/Metal/Vulkan")
+    cross_backend: bool = Field(
+        False,
+        description=(
+            "share pages across backends (CPU, CUDA, Metal, Vulkan) and offload settings; off by "
+            "default because such pages are not bit-exact: measured agreement only"
+        ),
+    )
     l1: L1Settings = Field(default_factory=lambda: L1Settings())
     l2: L2Settings = Field(default_factory=L2Settings)
     l3: L3Settings = Field(default_factory=lambda: L3Settings())

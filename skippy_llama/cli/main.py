@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import SkippyError
-from . import batch, kvcache, package, run, serve
+from . import batch, kvcache, matrix, package, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     package.register(sub)
     serve.register(sub)
     batch.register(sub)
+    matrix.register(sub)
     return parser
 
 

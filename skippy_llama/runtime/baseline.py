@@ -1,4 +1,5 @@
-"""Plain ``llama_cpp.Llama`` with a cold prefill per request: the baseline ``run`` compares to."""
+"""The baselines SkippyLlama is compared with: plain ``llama_cpp.Llama``, and the same with a cold
+prefill per request (what ``run`` and ``matrix`` compare to)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,8 @@ class ColdLlama(llama_cpp.Llama):
             self.last_cache_event = event
 
         yield from on_first_token(super().generate(tokens, *args, **kwargs), first)
+
+
+class PlainLlama(llama_cpp.Llama):
+    """Unmodified ``llama_cpp.Llama`` (it reuses the prefix live in its context, as users see it),
+    named here so the user surfaces above ``runtime/`` need not import ``llama_cpp``."""

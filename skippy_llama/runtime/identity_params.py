@@ -12,6 +12,10 @@ bytes of a page:
 - ``longrope``: models with LongRoPE factors, whose rope switches between short and long factors
   by the per-sequence context length.
 
+``cross_backend`` (off by default) drops only the backend component: the build's backend name,
+the ``offload`` fields and the device names. The ``batch_split`` fields then stay in the identity
+on every build, so that two backends share pages only where they split prompts alike.
+
 The GGUF content digest is computed only when a tier that outlives the process (L2/L3) is on;
 L1 alone gets a per-process identity, which can never address L2/L3 pages.
 """
@@ -19,6 +23,7 @@ L1 alone gets a per-process identity, which can never address L2/L3 pages.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +35,8 @@ import llama_cpp
 from ..config import Settings
 from ..identity import CacheIdentity, ModelIdentity, file_digest, process_digest
 from . import native
+
+log = logging.getLogger("skippy_llama")
 
 Rule = Literal["identity", "typed", "offload", "batch_split", "longrope", "neutral", "via"]
 
@@ -192,15 +199,19 @@ class Conditions:
     gpu: bool
     flash_attn: bool
     longrope: bool
+    #: ``cross_backend`` is on: the backend component (the build's backend name, the offload
+    #: settings and the device names) leaves the identity, and the batch split stays in it on
+    #: every build, so the CPU, a partial and a full offload of one model name the same pages.
+    cross_backend: bool = False
 
     def applies(self, rule: Rule) -> bool:
         """Whether an entry with ``rule`` belongs to the identity under these conditions."""
         if rule == "identity":
             return True
         if rule == "offload":
-            return self.gpu
+            return self.gpu and not self.cross_backend
         if rule == "batch_split":
-            return self.gpu or self.flash_attn
+            return self.gpu or self.flash_attn or self.cross_backend
         if rule == "longrope":
             return self.longrope
         return False
@@ -222,7 +233,7 @@ def select_params(values: Mapping[str, Any], conditions: Conditions) -> dict[str
                     raise KeyError(f"no live value for identity field {key}")
                 chosen[key] = values[key]
     chosen["lora"] = values["lora"]
-    if conditions.gpu:
+    if conditions.gpu and not conditions.cross_backend:
         chosen["device_names"] = values["device_names"]
     unknown = set(values) - set(chosen) - _known_keys()
     if unknown:
@@ -313,7 +324,22 @@ def build_identity(llm: llama_cpp.Llama, settings: Settings, kv_layout: Any) -> 
     flash = p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
     # within one process the context length is fixed, so only durable pages care about LongRoPE
     longrope = durable and has_longrope(llm.model_path)
-    conditions = Conditions(gpu=gpu, flash_attn=flash, longrope=longrope)
+    conditions = Conditions(
+        gpu=gpu,
+        flash_attn=flash,
+        longrope=longrope,
+        cross_backend=settings.cross_backend,
+    )
+    if settings.cross_backend:
+        # loud on purpose: pages of another backend are not bit-exact here (issue 13 measures
+        # how far they agree), so nobody should run with it on without knowing
+        log.warning(
+            "skippy-llama: cross_backend is ON: pages captured on other backends (CPU, CUDA, "
+            "Vulkan, Metal; any offload) are restored on %s (n_gpu_layers=%s); outputs may "
+            "differ from a cold prefill here. Turn it off (the default) for exact reuse.",
+            backend,
+            llm.model_params.n_gpu_layers,
+        )
     params = select_params(live_values(llm, durable=durable, gpu=gpu), conditions)
     geometry: dict[str, int | float | str] = {
         "n_layer": int(llama_cpp.llama_model_n_layer(model)),

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
+import numpy.typing as npt
 
 from ..errors import TierError
 
@@ -169,3 +171,9 @@ def device_names() -> list[str]:
             f"{lib.ggml_backend_dev_description(dev).decode()}"
         )
     return out
+
+
+def last_logits(ctx: Any, n_vocab: int) -> npt.NDArray[np.float32]:
+    """A copy of the logits of the last token the context decoded (``llama_get_logits_ith(-1)``)."""
+    ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float32, copy=True)

@@ -185,3 +185,25 @@ def test_pointer_fields_enter_the_identity_as_set_or_unset_never_as_addresses() 
     params.ctx_other = ctypes.cast(buf, ctypes.c_void_p)
     assert _plain(params.ctx_other, fields["ctx_other"]) is True
     assert _plain(params.n_batch, fields["n_batch"]) == params.n_batch
+
+
+def test_cross_backend_drops_only_the_backend_component() -> None:
+    """With cross_backend, offload settings and device names leave the identity, the batch split
+    stays on every build (so a CPU build and a GPU build agree on it), everything else stays."""
+    gpu = Conditions(gpu=True, flash_attn=False, longrope=False, cross_backend=True)
+    cpu = Conditions(gpu=False, flash_attn=False, longrope=False, cross_backend=True)
+    offload = [
+        f"{prefix}.{n}"
+        for prefix, table in (("context", CONTEXT_FIELDS), ("model", MODEL_FIELDS))
+        for n, e in table.items()
+        if e.rule == "offload"
+    ]
+    assert offload
+    for key in offload:
+        assert select_params(_values(**{key: 7}), gpu) == select_params(_values(), gpu), key
+    assert "device_names" not in select_params(_values(), gpu)
+    assert select_params(_values(), gpu) == select_params(_values(), cpu)
+    for key in ("context.n_batch", "context.n_ubatch", "model.kv_overrides", "lora"):
+        assert key in select_params(_values(), cpu), key
+    # off by default
+    assert Conditions(gpu=True, flash_attn=False, longrope=False).cross_backend is False
