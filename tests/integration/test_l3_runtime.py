@@ -244,7 +244,7 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     mine = b["status"]["process_activity"]
     # stored pages are compressed (about 0.86 of the raw F16 bytes restored)
     assert (
-        mine["hits"] == 3
+        mine["hits"] == sum(e["tier"] == "l3" for e in b["events"])
         and mine["bytes_read"] >= sum(e["restored_bytes"] for e in b["events"]) * 0.5
     )
     assert mine["corrupt_entries"] == 0 and mine["missing_pages"] == 0
@@ -383,7 +383,12 @@ def test_flipped_byte_is_quarantined_and_never_served(
     assert c["outputs"] == reference[:1]
     assert c["status"]["reconciliation"]["quarantined_total"] == 1
     assert c["events"][0]["tier"] == "l3"
-    assert c["events"][0]["cached_tokens"] == repeat_point(c, 0)
+    if c["granule"] == 1:
+        assert c["events"][0]["cached_tokens"] == repeat_point(c, 0)
+    else:
+        # on a GPU the page policy may decline pages whose measured restore costs more than
+        # their prefill (a 135M model prefills faster than a page restores there)
+        assert 0 < c["events"][0]["cached_tokens"] <= repeat_point(c, 0)
 
 
 # ---------------------------------------------------------------------- 6. identity

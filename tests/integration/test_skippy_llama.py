@@ -91,7 +91,7 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     if skippy.granule == 1:
         assert all(e.repaired_tokens > 0 for e in events[1:])
     else:
-        assert sum(e.repaired_tokens > 0 for e in events[1:]) >= len(events) // 2
+        assert any(e.repaired_tokens > 0 for e in events[1:])
     assert events[0].repaired_tokens == 0
 
 
