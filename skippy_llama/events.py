@@ -21,6 +21,8 @@ class CacheEvent:
         suffix_tokens: prompt tokens prefilled.
         repaired_tokens: generated tokens re-decoded as a batch after the reply, so that the next
             turn can reuse them bit-exactly (see ``l1.repair_generated``).
+        park_ms: time spent keeping the previous prompt resident (and repairing its reply)
+            before this one could use the working sequence.
         lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
         fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
     """
@@ -31,6 +33,7 @@ class CacheEvent:
     restored_bytes: int = 0
     suffix_tokens: int = 0
     repaired_tokens: int = 0
+    park_ms: float = 0.0
     lookup_ms: float = 0.0
     restore_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -40,6 +40,7 @@ from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, pa
 from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
+from ..tiers.resident_costs import ResidentCosts
 from . import native, native_ext
 from .identity_params import build_identity
 from .recipe import native_verdict
@@ -150,6 +151,8 @@ class SkippyLlama(llama_cpp.Llama):
         # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
         p = self.context_params
         self._on_device = all(t in _DEVICE_CHECKPOINT_TYPES for t in (p.type_k, p.type_v))
+        # whether a checkpoint pays here (it always does on the CPU; see tiers/resident_costs)
+        self._l1_costs = ResidentCosts()
         resident: ResidentIndex | None = None
         self.l1_budget_tokens = 0
         if self.cache_disabled_reason is None and slots > 0:
@@ -378,7 +381,9 @@ class SkippyLlama(llama_cpp.Llama):
         live = self._aligned(common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit]))
         if live < exact:
             # the prompt leaves the live sequence: keep it resident before it is overwritten
+            parking = time.perf_counter()
             self._guard("park", event, lambda: self._displace(exact, event))
+            event.park_ms = (time.perf_counter() - parking) * 1e3
         # Llama.generate would reuse the live sequence up to the last token, generated tokens
         # included; only the exact part may be reused
         self.n_tokens = live
@@ -397,6 +402,14 @@ class SkippyLlama(llama_cpp.Llama):
             self._drop_working()
             found = self.prefix_cache.lookup_resident(tokens, limit)
             found = found.truncated(self._aligned(found.n_tokens))
+        if (
+            found.tier == "l1"
+            and found.seq_id is not None
+            and not self._l1_costs.restore_pays(found.n_tokens - live)
+        ):
+            # on this machine a checkpoint restore costs more than the prefill it saves
+            self.prefix_cache.counters.restores_skipped += 1
+            found = LookupResult("l1" if live else "cold", live)
         if found.tier == "l1" and found.seq_id is not None:
             hit, slot = found, found.seq_id
             if not self._guard("l1", event, lambda: self._copy_resident(hit, tokens)):
@@ -474,7 +487,9 @@ class SkippyLlama(llama_cpp.Llama):
         resident = self.prefix_cache.resident
         assert found.seq_id is not None and resident is not None
         handle = resident.entry(found.seq_id).handle
+        started = time.perf_counter()
         native.restore_checkpoint(self.ctx, handle, WORKING_SEQ, on_device=self._on_device)
+        self._l1_costs.observe_restore(time.perf_counter() - started)
         native.seq_rm(self.ctx, WORKING_SEQ, found.n_tokens, -1)
         self._adopt(tokens, found.n_tokens)
 
@@ -490,7 +505,7 @@ class SkippyLlama(llama_cpp.Llama):
         if resident is None or n_tokens == 0:
             return
         tokens = self.input_ids[:n_tokens].astype(np.int32)
-        plan = resident.plan_park(tokens)
+        plan = resident.plan_park(tokens) if self._l1_costs.park_pays(n_tokens) else None
         if plan is None:
             self.prefix_cache.counters.park_skipped += 1
             return
@@ -499,9 +514,11 @@ class SkippyLlama(llama_cpp.Llama):
                 if slot != plan.seq_id and self._on_device:
                     # a slot keeps its buffers until its next checkpoint: shrink it to one cell
                     native.checkpoint(self.ctx, WORKING_SEQ, slot, 1)
+            started = time.perf_counter()
             handle = native.checkpoint(
                 self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens, on_device=self._on_device
             )
+            self._l1_costs.observe_park(time.perf_counter() - started)
         except BaseException:
             resident.abandon_park(plan)
             raise
@@ -525,7 +542,9 @@ class SkippyLlama(llama_cpp.Llama):
 
         def first() -> None:
             event.ttft_ms = (time.perf_counter() - started) * 1e3
-            event.prefill_ms = event.ttft_ms - event.lookup_ms - event.restore_ms
+            event.prefill_ms = event.ttft_ms - event.park_ms - event.lookup_ms - event.restore_ms
+            suffix = event.prompt_tokens - event.cached_tokens
+            self._l1_costs.observe_prefill(suffix, event.prefill_ms / 1e3)
 
         try:
             yield from on_first_token(super().generate(tokens, *args, **kwargs), first)
@@ -621,10 +640,10 @@ class SkippyLlama(llama_cpp.Llama):
         started = time.perf_counter()
         self._restore(whole, event)
         self._decode(whole[self.n_tokens :].tolist())
-        event.prefill_ms = (
-            (time.perf_counter() - started) * 1e3 - event.lookup_ms - event.restore_ms
-        )
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        event.prefill_ms = elapsed_ms - event.park_ms - event.lookup_ms - event.restore_ms
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+        self._l1_costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
         self._reply_start, self._reply_repairable = len(whole), False
         self.last_cache_event = event
         self._guard("record", None, lambda: self._record(event))

@@ -404,3 +404,36 @@ def test_quantized_kv_resident_prefixes_restore_their_own_cells(smollm2_path: Pa
         skippy.close()
     assert event is not None and event.tier == "l1" and event.cached_tokens >= 128
     assert got == want
+
+
+def test_checkpoints_that_cost_more_than_their_prefill_are_skipped(smollm2_path: Path) -> None:
+    # on a GPU build a state call has a fixed cost (~60 ms on an H200) that can exceed the
+    # prefill it saves; the measured costs then skip the restore (and later the park), and the
+    # output is the cold one either way
+    prompts = ["Document: " + TEXT + " Summary:", "Document: " + OTHER + " Summary:"]
+    cold = ColdLlama(str(smollm2_path), n_ctx=1024, verbose=False)
+    try:
+        want = [_complete(cold, p, max_tokens=6) for p in prompts]
+    finally:
+        cold.close()
+    skippy = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings())
+    try:
+        assert [_complete(skippy, p, max_tokens=6) for p in prompts] == want  # parks prompt 0
+        costs = skippy._l1_costs
+        assert costs.prefill_seconds_per_token is not None and costs.park_seconds is not None
+        costs.restore_seconds = 1e3  # as if a restore took longer than any prefill here
+        assert _complete(skippy, prompts[0], max_tokens=6) == want[0]
+        skipped = skippy.last_cache_event
+        counters = skippy.prefix_cache.counters
+        # only the few tokens it shares with the live sequence (free to keep) are reused
+        assert skipped is not None and skipped.cached_tokens < 16
+        assert counters.restores_skipped == 1
+        parks = counters.park_skipped
+        assert _complete(skippy, prompts[1], max_tokens=6) == want[1]  # leaves prompt 0's chat
+        assert counters.park_skipped == parks + 1  # not kept: it could never repay its park
+        costs.restore_seconds = 0.0
+        assert _complete(skippy, prompts[0], max_tokens=6) == want[0]
+        resumed = skippy.last_cache_event
+        assert resumed is not None and resumed.tier == "l1" and resumed.cached_tokens > 100
+    finally:
+        skippy.close()
