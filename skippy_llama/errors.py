@@ -33,6 +33,25 @@ class TierError(SkippyError):
     """A cache tier failed (I/O, corruption, lock contention); the orchestrator fails open."""
 
 
+class StoreDataError(TierError):
+    """An L3 record on disk (page metadata, manifest, child index, pin) is damaged, foreign, or of
+    a version this build does not read: the store quarantines it and counts a miss."""
+
+
+class UntrustedRowError(StoreDataError):
+    """An L3 store row skippy did not write: a pickled or text key or value, or a file name
+    diskcache would not generate. It is dropped and counted, never unpickled or followed."""
+
+
+class TransientReadError(TierError):
+    """A stored value could not be read for a reason other than its absence (EIO, EMFILE,
+    EACCES …): a fault and a miss, never a reason to delete anything."""
+
+
+class UntrustedDirectoryError(TierError):
+    """The L3 directory is a symlink, belongs to another user, or others may write it."""
+
+
 class PackageError(SkippyError, ValueError):
     """A model package is missing, malformed, tampered with, or inconsistent."""
 

@@ -1,0 +1,60 @@
+"""What the L3 modules share: the open store, its health, counters, signer, lock and listeners.
+
+One :class:`Parts` is built per open tier and handed to each module, so none of them reaches into
+another's attributes and each can be built alone in a test.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ...config import L3Settings
+from .auth import Signer
+from .health import Health
+from .stats import Counters
+from .store import DiskStore, StoreReader
+
+log = logging.getLogger("skippy_llama.tiers.l3")
+
+
+@dataclass
+class Parts:
+    """The shared state of one open tier.
+
+    ``lock`` serializes this process's store transactions (SQLite would make a second thread
+    busy-wait on its own process otherwise); ``listeners`` hear of every page this process
+    removes, evicts or quarantines (L2 drops its copy).
+    """
+
+    settings: L3Settings
+    health: Health
+    counters: Counters
+    signer: Signer
+    store: StoreReader | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    listeners: list[Callable[[bytes], None]] = field(default_factory=list)
+
+    @property
+    def rw(self) -> DiskStore:
+        """The store, for a write; only called where the caller checked it is writable."""
+        store = self.store
+        if not isinstance(store, DiskStore):
+            raise RuntimeError("L3 write on a store opened read-only or not open (a bug)")
+        return store
+
+    @property
+    def rw_ok(self) -> bool:
+        """True when the store is open read-write (repairs and writes may run)."""
+        return self.store is not None and self.store.writable
+
+    def removed(self, keys: Iterable[bytes]) -> None:
+        """Tell the listeners that pages left the store."""
+        for key in keys:
+            for callback in self.listeners:
+                try:
+                    callback(key)
+                except Exception:  # a listener bug must not break the store
+                    log.exception("L3 removal listener failed")
