@@ -116,6 +116,9 @@ class DiskUsage(_Json):
     manifests: int = 0
     pages: int = 0
     quarantined: int = 0
+    # manifests left out above: damaged, of another version, or without a valid tag (a damaged
+    # one is quarantined by the next reconciliation, prune or clear; status itself writes nothing)
+    skipped_manifests: int = 0
 
 
 @dataclass(frozen=True)

@@ -172,3 +172,44 @@ def test_pins_of_a_reused_pid_or_past_their_lease_do_not_hold_pages(
         local_view = tier._pins.live(local=True)
     assert remote_view == {key + b"l"}  # only the live pin; this process's reads not included
     assert local_view == {key + b"l", b"\x0a" * 16}
+
+
+class _BuggyPolicy:
+    """An admission/eviction policy with a bug: the writer thread must log it as one."""
+
+    name = "buggy"
+
+    def admit(self, page: Any, now: float) -> bool:
+        return bool(1 // 0)  # ZeroDivisionError: not a storage fault
+
+    def priority(self, page: Any, now: float) -> float:
+        return 0.0
+
+    def evicted(self, page: Any, now: float) -> None:
+        return None
+
+
+def test_a_bug_in_the_writer_thread_is_an_error_not_a_storage_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = DiskTier(
+        settings(tmp_path / "l3"),
+        disk_free=lambda _p: PLENTY,
+        close_at_exit=False,
+        policy=_BuggyPolicy(),
+    )
+    try:
+        with caplog.at_level("ERROR", logger="skippy_llama.tiers.l3"):
+            rec = chain(["a"])
+            assert tier.record(rec)
+            assert tier.flush(10)
+        activity = tier.status().process_activity
+        assert activity.internal_errors == 1 and activity.storage_errors == 0
+        assert activity.dropped_writes == 1
+        assert tier.state == "active"  # a bug does not turn the store degraded …
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "internal error" in errors[0].getMessage()
+        assert errors[0].exc_info is not None and errors[0].exc_info[0] is ZeroDivisionError
+        assert tier.read(keys_of(rec)) == []  # … and nothing half-written is served
+    finally:
+        tier.close()

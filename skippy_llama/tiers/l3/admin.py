@@ -77,12 +77,12 @@ class Admin:
         try:
             total = stored_activity(store)
             reconciliation = stored_reconciliation(store.get(RECONCILIATION))
-            manifests, _ = self.tree.manifests()
+            manifests, skipped = self.tree.manifests()  # damaged ones skipped, not repaired
             n_pages, n_quarantined = store.count(DATA), store.count(QUAR)
         except Exception as exc:
             health.fault(exc, "status")
             total, reconciliation, manifests = Counter(), None, []
-            n_pages = n_quarantined = 0
+            n_pages = n_quarantined = skipped = 0
         activity = dict(total)
         for name, n in pending.items():
             activity[name] = activity.get(name, 0) + n
@@ -103,6 +103,7 @@ class Admin:
             manifests=len(manifests),
             pages=n_pages,
             quarantined=n_quarantined,
+            skipped_manifests=skipped,
         )
         return DiskStatus(
             state=health.state,
@@ -128,10 +129,11 @@ class Admin:
     # ------------------------------------------------------------------ model identities
 
     def _manifests(self) -> list[Manifest]:
+        """Readable manifests; on a writable store damaged ones are quarantined on the way."""
         if self.parts.store is None:
             return []
         try:
-            return self.tree.manifests()[0]
+            return self.tree.manifests(repair=True)[0]
         except Exception as exc:
             self.parts.health.fault(exc, "listing manifests")
             return []

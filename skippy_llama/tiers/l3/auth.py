@@ -1,4 +1,7 @@
-"""Optional authentication of L3 records with a secret the store does not hold (pure).
+"""Who may write an L3 store: the directory check, and optional authentication of its records
+with a secret the store does not hold.
+
+A store directory others could write is refused (:func:`check_directory`): they could plant rows.
 
 Page digests live in the same database as the pages: they catch damage, not an attacker who can
 write the store. With ``l3.secret_file`` every page, child-index entry and manifest carries a tag,
@@ -16,7 +19,7 @@ import stat
 import struct
 from pathlib import Path
 
-from ...errors import ConfigError
+from ...errors import ConfigError, UntrustedDirectoryError
 from .schema import NO_TAG, TAG_BYTES
 
 #: Fewer bytes than this is not a secret worth the name (128 bits).
@@ -71,6 +74,9 @@ def load_secret(path: Path, *, shared_group: bool = False) -> bytes:
     where = f"invalid setting l3.secret_file = {str(path)!r}"
     try:
         info = os.stat(path)
+        # checked before opening: a FIFO would block the open, a directory fails it
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{where}: not a regular file")
         with open(path, "rb") as f:
             secret = f.read(MAX_SECRET_BYTES + 1)
     except OSError as exc:
@@ -78,8 +84,6 @@ def load_secret(path: Path, *, shared_group: bool = False) -> bytes:
             f"{where}: cannot read it ({exc.strerror or exc}); create one with "
             "`head -c 32 /dev/urandom > FILE && chmod 600 FILE`"
         ) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{where}: not a regular file")
     readable = stat.S_IROTH | stat.S_IWOTH | (0 if shared_group else stat.S_IRGRP | stat.S_IWGRP)
     if info.st_mode & readable:
         raise ConfigError(
@@ -92,3 +96,40 @@ def load_secret(path: Path, *, shared_group: bool = False) -> bytes:
             f"{MAX_SECRET_BYTES}, e.g. `head -c 32 /dev/urandom > FILE`"
         )
     return secret
+
+
+def check_directory(directory: Path, *, shared_group: bool = False, create: bool = True) -> bool:
+    """Refuse a store directory others could tamper with; create it 0700 when ``create``.
+
+    Returns False when it does not exist (and ``create`` is off).
+
+    Raises:
+        UntrustedDirectoryError: it is a symlink, not a directory, owned by another user, or
+            writable by others (or by its group, unless ``shared_group``).
+        OSError: it cannot be created.
+    """
+    if not directory.exists() and not directory.is_symlink():
+        if not create:
+            return False
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700)
+    info = directory.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise UntrustedDirectoryError(
+            f"L3 directory {directory} is a symbolic link; give the real path"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise UntrustedDirectoryError(f"L3 directory {directory} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise UntrustedDirectoryError(
+            f"L3 directory {directory} belongs to uid {info.st_uid}, not to this user "
+            f"(uid {os.geteuid()}); use a directory of your own"
+        )
+    writable = stat.S_IWOTH | (0 if shared_group else stat.S_IWGRP)
+    if info.st_mode & writable:
+        who = "others" if info.st_mode & stat.S_IWOTH else "its group"
+        hint = "" if shared_group else " (or set l3.shared_group to share it with the group)"
+        raise UntrustedDirectoryError(
+            f"L3 directory {directory} is writable by {who}: chmod go-w it{hint}"
+        )
+    return True

@@ -10,12 +10,14 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...config import L3Settings
-from .auth import Signer
+from ...errors import UntrustedDirectoryError
+from .auth import Signer, check_directory
 from .health import Health
 from .stats import Counters
-from .store import DiskStore, StoreReader
+from .store import DiskStore, ReadOnlyStore, StoreReader
 
 log = logging.getLogger("skippy_llama.tiers.l3")
 
@@ -58,3 +60,32 @@ class Parts:
                     callback(key)
                 except Exception:  # a listener bug must not break the store
                     log.exception("L3 removal listener failed")
+
+    def open(self, timeout: float, *, read_only: bool) -> bool:
+        """Check the directory and open the store; False (state ``degraded``, with the reason)
+        when it is refused or unusable, or, read-only, when there is no store yet."""
+        health, directory = self.health, Path(self.settings.directory)
+        health.set("active", None)
+        try:
+            exists = check_directory(
+                directory, shared_group=self.settings.shared_group, create=not read_only
+            )
+        except UntrustedDirectoryError as exc:
+            health.unavailable("storage_untrusted", str(exc))
+            return False
+        except OSError:
+            exists = True  # an unusable path is reported below as storage_unavailable
+        try:
+            if read_only:
+                if not exists or not (directory / "cache.db").exists():
+                    return False  # no store yet: status reports an empty one
+                self.store = ReadOnlyStore(directory, timeout=timeout)
+            else:
+                self.store = DiskStore(directory, timeout=timeout)
+            self.store.volume()  # proves the database is readable
+        except Exception as exc:  # any failure to open is "storage unavailable", never a crash
+            self.store = None
+            health.unavailable("storage_unavailable", f"{type(exc).__name__}: {exc}")
+            return False
+        health.available = True
+        return True

@@ -53,9 +53,7 @@ def page_stats(key: bytes, meta: PageMeta, costs: CostModel | None = None) -> Pa
     )
 
 
-def protected_keys(
-    pinned: set[bytes], owners: Mapping[bytes, Iterable[Manifest]]
-) -> set[bytes]:
+def protected_keys(pinned: set[bytes], owners: Mapping[bytes, Iterable[Manifest]]) -> set[bytes]:
     """Pinned pages and every page before one on a prefix through it (``owners`` maps a pinned
     page to the manifests that list it)."""
     out = set(pinned)
@@ -70,9 +68,7 @@ def protected_keys(
 def eviction_order(candidates: Iterable[Candidate], policy: Policy, now: float) -> list[Candidate]:
     """Candidates in the order they go: lowest priority first, ties deepest first, then by key
     (so the order is the same in every process)."""
-    return sorted(
-        candidates, key=lambda c: (policy.priority(c.stats, now), -c.depth, c.stats.key)
-    )
+    return sorted(candidates, key=lambda c: (policy.priority(c.stats, now), -c.depth, c.stats.key))
 
 
 @dataclass(frozen=True)
@@ -108,7 +104,9 @@ class Evictor:
                 continue  # reconciliation quarantines it
         return out
 
-    def _owners_of(self, pinned: set[bytes], metas: Mapping[bytes, PageMeta]) -> dict[bytes, list[Manifest]]:
+    def _owners_of(
+        self, pinned: set[bytes], metas: Mapping[bytes, PageMeta]
+    ) -> dict[bytes, list[Manifest]]:
         out: dict[bytes, list[Manifest]] = {}
         for key in pinned:
             meta = metas.get(key)
@@ -134,7 +132,7 @@ class Evictor:
         scope: set[bytes] | None = None
         in_scope: list[Manifest] = []
         if model_identity is not None:
-            manifests, _ = self.tree.manifests()
+            manifests, _ = self.tree.manifests(repair=True)
             in_scope = [m for m in manifests if m.model_identity == model_identity]
             scope = {key for man in in_scope for key in man.keys}
         manifests_before = len(in_scope) if scope is not None else store.count(MAN)
@@ -164,13 +162,13 @@ class Evictor:
                 if meta is not None:
                     self.policy.evicted(page_stats(key, meta, self.costs), now)
         if scope is not None:
-            manifests, _ = self.tree.manifests()
+            manifests, _ = self.tree.manifests(repair=True)
             left = [m for m in manifests if m.model_identity == model_identity]
         else:
             left = []
         after = len(left) if scope is not None else store.count(MAN)
         kept = 0
         if pinned and (everything or self._used() > target):
-            pool = left if scope is not None else self.tree.manifests()[0]
+            pool = left if scope is not None else self.tree.manifests(repair=True)[0]
             kept = sum(1 for man in pool if any(k in pinned for k in man.keys))
         return EvictionResult(max(manifests_before - after, 0), len(gone), kept)

@@ -105,9 +105,7 @@ class Reader:
             self._bad(key, "digest_mismatch")
             return None
         signer = parts.signer
-        if signer.enabled and not signer.verify(
-            meta.tag, signer.page(key, meta.n_tokens, payload)
-        ):
+        if signer.enabled and not signer.verify(meta.tag, signer.page(key, meta.n_tokens, payload)):
             parts.counters.add("unauthenticated")
             return None
         try:

@@ -116,9 +116,7 @@ class Reconciler:
 
     def _held_elsewhere(self, owner: Pin | None, token: bytes | None) -> bool:
         return (
-            owner is not None
-            and token != self._token
-            and owner_alive(owner, time.time(), LEASE_S)
+            owner is not None and token != self._token and owner_alive(owner, time.time(), LEASE_S)
         )
 
     def due(self, *, crashed: bool) -> bool:
@@ -134,12 +132,18 @@ class Reconciler:
     def start(self, *, verify: bool = False) -> None:
         self._run = _Progress(verify=verify)
 
+    def holds_nothing(self) -> bool:
+        """True when the store has no manifest, page or index row (a new store): a walk of it
+        costs a few empty range queries, so it runs at once instead of in the background."""
+        store = self.parts.rw
+        return not any(store.keys(kind, limit=1) for kind in (MAN, KIDS, META, DATA))
+
     def abandon(self) -> None:
         """Stop this process's walk; its progress stays in the lease for the next one."""
         if self._run is not None:
             self._run = None
             with self.parts.lock, self.parts.rw.transact():
-                owner, token, progress = self._lease()
+                _owner, token, progress = self._lease()
                 if progress is not None and token == self._token:
                     self._write_lease(progress, held=False)
 
@@ -170,7 +174,9 @@ class Reconciler:
         store = parts.rw
         with parts.lock, store.transact():
             owner, token, left = self._lease()
-            if self._held_elsewhere(owner, token):
+            # an operator's whole walk takes the lease over (every decision is taken on fresh
+            # reads in a transaction, so two walks at once are safe, only wasteful)
+            if self._held_elsewhere(owner, token) and not run.whole:
                 self._run = None  # another process is on it
                 return False
             if left is not None and token != self._token and not run.whole:

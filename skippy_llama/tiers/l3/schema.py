@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...errors import StoreDataError
+from ...errors import ManifestError, StoreDataError
 from ..records import KEY_BYTES, PrefixRecord
 
 PIN = b"\x01"
@@ -263,12 +263,28 @@ class Manifest:
 
     @classmethod
     def unpack(cls, raw: bytes, mid: bytes) -> Manifest:
-        """Parse the manifest stored under ``mid``; StoreDataError when damaged, foreign or of
-        another version, or when it contradicts itself (ids, token counts)."""
+        """Parse the manifest stored under ``mid``.
+
+        Raises:
+            ManifestError: damaged, foreign (the untyped JSON lists of the first release
+                included), of another version, or contradicting itself (ids, token counts).
+        """
+        try:
+            return cls._unpack(raw, mid)
+        except ManifestError:
+            raise
+        except StoreDataError as exc:
+            raise ManifestError(str(exc)) from None
+
+    @classmethod
+    def _unpack(cls, raw: bytes, mid: bytes) -> Manifest:
         data = load_json(raw, "manifest")
         version = data.get("v")
         if version != MANIFEST_VERSION:
-            raise StoreDataError(f"manifest of version {version!r}, this build reads 2")
+            raise ManifestError(
+                f"manifest of version {version!r}, this build reads {MANIFEST_VERSION}",
+                version=version,
+            )
         rows = data.get("pages")
         if not isinstance(rows, list) or not rows:
             raise StoreDataError("manifest without pages")

@@ -23,7 +23,6 @@ import errno
 import os
 import re
 import sqlite3
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, Protocol
@@ -31,12 +30,7 @@ from typing import Any, BinaryIO, NoReturn, Protocol
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW
 
-from ...errors import (
-    TierError,
-    TransientReadError,
-    UntrustedDirectoryError,
-    UntrustedRowError,
-)
+from ...errors import TierError, TransientReadError, UntrustedRowError
 from .schema import kind_range
 
 #: diskcache's own file names: two 2-hex-digit folders and 28 hex digits + ".val"
@@ -141,43 +135,6 @@ def is_storage_fault(exc: BaseException) -> bool:
     """A fault of the storage (I/O, SQLite, lock, untrusted or damaged data), as opposed to a
     bug in L3's own code, which must be logged as an error, not counted as a storage fault."""
     return isinstance(exc, OSError | sqlite3.Error | TierError) or is_lock_error(exc)
-
-
-def check_directory(directory: Path, *, shared_group: bool = False, create: bool = True) -> bool:
-    """Refuse a store directory others could tamper with; create it 0700 when ``create``.
-
-    Returns False when it does not exist (and ``create`` is off).
-
-    Raises:
-        UntrustedDirectoryError: it is a symlink, not a directory, owned by another user, or
-            writable by others (or by its group, unless ``shared_group``).
-        OSError: it cannot be created.
-    """
-    if not directory.exists() and not directory.is_symlink():
-        if not create:
-            return False
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        directory.mkdir(mode=0o700)
-    info = directory.lstat()
-    if stat.S_ISLNK(info.st_mode):
-        raise UntrustedDirectoryError(
-            f"L3 directory {directory} is a symbolic link; give the real path"
-        )
-    if not stat.S_ISDIR(info.st_mode):
-        raise UntrustedDirectoryError(f"L3 directory {directory} is not a directory")
-    if info.st_uid != os.geteuid():
-        raise UntrustedDirectoryError(
-            f"L3 directory {directory} belongs to uid {info.st_uid}, not to this user "
-            f"(uid {os.geteuid()}); use a directory of your own"
-        )
-    writable = stat.S_IWOTH | (0 if shared_group else stat.S_IWGRP)
-    if info.st_mode & writable:
-        who = "others" if info.st_mode & stat.S_IWOTH else "its group"
-        hint = "" if shared_group else " (or set l3.shared_group to share it with the group)"
-        raise UntrustedDirectoryError(
-            f"L3 directory {directory} is writable by {who}: chmod go-w it{hint}"
-        )
-    return True
 
 
 class StoreReader(Protocol):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ...admission import AdmissionPolicy
 from ...config import L3Settings
-from ...errors import StoreDataError, UntrustedDirectoryError
+from ...errors import StoreDataError
 from ..records import ClearResult, DiskState, DiskStatus, PrefixRecord, PruneResult, Reconciliation
 from .admin import Admin
 from .auth import Signer, load_secret
@@ -39,7 +39,6 @@ from .recorder import Recorder
 from .schema import META
 from .sessions import Sessions
 from .stats import Counters
-from .store import DiskStore, ReadOnlyStore, check_directory
 from .tree import Tree
 from .writer import MAX_QUEUED_BYTES, Writer
 
@@ -116,7 +115,7 @@ class DiskTier:
         self._atexit: Callable[[], None] | None = None
         if settings.mode == "off":
             return  # off touches nothing on disk, not even the directory
-        if self._open(timeout, read_only) and not read_only:
+        if parts.open(timeout, read_only=read_only) and not read_only:
             self._start(reconcile, verify)
         health.refresh(force=True)
         if close_at_exit and not read_only:
@@ -124,39 +123,16 @@ class DiskTier:
             self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
             atexit.register(self._atexit)
 
-    def _open(self, timeout: float, read_only: bool) -> bool:
-        health = self._parts.health
-        health.set("active", None)
-        try:
-            exists = check_directory(
-                self.directory, shared_group=self.settings.shared_group, create=not read_only
-            )
-        except UntrustedDirectoryError as exc:
-            health.unavailable("storage_untrusted", str(exc))
-            return False
-        except OSError:
-            exists = True  # an unusable path is reported below as storage_unavailable
-        try:
-            if read_only:
-                if not exists or not (self.directory / "cache.db").exists():
-                    return False  # no store yet: status reports an empty one
-                self._parts.store = ReadOnlyStore(self.directory, timeout=timeout)
-            else:
-                self._parts.store = DiskStore(self.directory, timeout=timeout)
-            self._parts.store.volume()  # proves the database is readable
-        except Exception as exc:  # any failure to open is "storage unavailable", never a crash
-            self._parts.store = None
-            health.unavailable("storage_unavailable", f"{type(exc).__name__}: {exc}")
-            return False
-        health.available = True
-        return True
-
     def _start(self, reconcile: bool, verify: bool) -> None:
         try:
             crashed = self._sessions.open()
             if verify or (reconcile and self._reconciler.due(crashed=crashed)):
                 self._reconciler.start(verify=verify)
-                self._writer.start()
+                if self._reconciler.holds_nothing():
+                    while self._reconciler.step():  # a new store: a few empty queries
+                        pass
+                else:
+                    self._writer.start()  # walks in the background, batch by batch
         except Exception as exc:
             self._parts.health.fault(exc, "open")
 

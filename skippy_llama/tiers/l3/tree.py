@@ -18,13 +18,23 @@ from dataclasses import replace
 
 import xxhash
 
-from ...errors import StoreDataError
+from ...errors import ManifestError, StoreDataError
 from ..records import PrefixRecord
 from .context import Parts
 from .pins import Pins
-from .schema import KIDS, MAN, META, QUAR, Child, Manifest, PageMeta, dump_json
 from .schema import DATA as DATA_KIND
-from .schema import pack_children, unpack_children
+from .schema import (
+    KIDS,
+    MAN,
+    META,
+    QUAR,
+    Child,
+    Manifest,
+    PageMeta,
+    dump_json,
+    pack_children,
+    unpack_children,
+)
 
 log = logging.getLogger("skippy_llama.tiers.l3")
 
@@ -66,8 +76,13 @@ class Tree:
         signer = self.parts.signer
         return signer.verify(man.tag, signer.manifest(dump_json(man.body())))
 
-    def manifests(self) -> tuple[list[Manifest], int]:
-        """Every readable, authentic manifest, and how many others were skipped."""
+    def manifests(self, *, repair: bool = False) -> tuple[list[Manifest], int]:
+        """Every readable, authentic manifest, and how many others were skipped.
+
+        With ``repair`` (operator calls and eviction on a writable store) a damaged or
+        foreign-version manifest is quarantined at once; without it (``status``, which must not
+        write) it is only skipped, and reconciliation quarantines it later.
+        """
         store = self.parts.store
         assert store is not None
         out: list[Manifest] = []
@@ -75,8 +90,13 @@ class Tree:
         for key in store.keys(MAN):
             try:
                 man = self.manifest(key[1:])
+            except ManifestError as exc:
+                skipped += 1
+                if repair and self.parts.rw_ok:
+                    self.quarantine_manifest(key[1:], str(exc))
+                continue
             except StoreDataError:
-                skipped += 1  # reconciliation quarantines it
+                skipped += 1  # an untrusted row: the store dropped and counted it
                 continue
             if man is None:
                 continue
