@@ -69,12 +69,17 @@ def test_a_tag_from_another_secret_is_a_miss(tmp_path: Path, tier_at: Any) -> No
     record_now(writer, rec)
     writer.close()
     other = tier_at(tmp_path / "l3", secret_at(tmp_path / "k2"))
-    assert other.read(keys_of(rec)) == []
-    assert other.children(ROOT) == []  # the index entry is not authentic either
+    assert other.children(ROOT) == []  # the index entry is not authentic
+    assert other.status().inventory == ()  # nor the manifest: not listed
+    assert other.read(keys_of(rec)) == []  # nor the page
     status = other.status()
-    assert status.process_activity.unauthenticated >= 3  # page, index entry, manifest
-    assert status.inventory == ()  # a manifest it cannot authenticate is not listed
-    assert status.usage.quarantined == 0  # not damaged: left alone, only never served
+    assert status.process_activity.unauthenticated == 3  # index entry, manifest, page
+    # the unauthentic page is out of service (not counted as corrupt); a record of the same
+    # tokens under this secret writes it again, and then it serves
+    assert status.usage.quarantined == 1 and status.process_activity.corrupt_entries == 0
+    record_now(other, rec)
+    assert other.read(keys_of(rec)) == [p.payload for p in rec.pages]
+    assert other.children(ROOT) == [(rec.pages[0].key, rec.pages[0].tokens)]
 
 
 def test_a_store_written_without_the_secret_is_not_served_with_it(
@@ -87,10 +92,12 @@ def test_a_store_written_without_the_secret_is_not_served_with_it(
     signed = tier_at(tmp_path / "l3", secret_at(tmp_path / "key"))
     assert signed.read(keys_of(rec)) == []
     assert signed.status().activity.unauthenticated >= 1
-    # the tier keeps working: a record under the secret is served
+    # the tier keeps working: a record under the secret is served, the old one once re-recorded
     fresh = chain(["b"])
     record_now(signed, fresh)
     assert signed.read(keys_of(fresh)) == [fresh.pages[0].payload]
+    record_now(signed, rec)
+    assert signed.read(keys_of(rec)) == [rec.pages[0].payload]
 
 
 def test_a_tampered_payload_with_a_matching_digest_is_a_miss(tmp_path: Path, tier_at: Any) -> None:
@@ -110,12 +117,15 @@ def test_a_tampered_payload_with_a_matching_digest_is_a_miss(tmp_path: Path, tie
         meta.digest, meta.size = payload_digest(forged), len(forged)
         db.execute("UPDATE Cache SET value = ? WHERE key = ?", (meta.pack(), _META + key))
         db.execute("UPDATE Cache SET value = ? WHERE key = ?", (forged, _DATA + key))
-    again = tier_at(store, secret)
-    assert again.read([key]) == []
-    assert again.status().process_activity.unauthenticated == 1
-    # without the secret the same store would serve the forgery: the digest cannot tell
+    # without the secret the forgery is served: the digest cannot tell
     plain = tier_at(store)
     assert plain.read([key]) == [forged]
+    plain.close()
+    again = tier_at(store, secret)
+    assert again.read([key]) == []
+    status = again.status()
+    assert status.process_activity.unauthenticated == 1
+    assert status.usage.quarantined == 1  # out of service: the next record rewrites it
 
 
 def test_signer_tags_differ_by_kind_key_and_secret() -> None:

@@ -83,6 +83,8 @@ class Admin:
             health.fault(exc, "status")
             total, reconciliation, manifests = Counter(), None, []
             n_pages = n_quarantined = skipped = 0
+        # counted after the listing, which counts what it skips (unauthentic manifests)
+        mine, pending = parts.counters.process(), parts.counters.pending()
         activity = dict(total)
         for name, n in pending.items():
             activity[name] = activity.get(name, 0) + n

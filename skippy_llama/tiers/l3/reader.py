@@ -9,7 +9,8 @@ prefix:
   (the manifests that listed it are cut back to the valid prefix) and counted;
 * a missing payload: its metadata is dropped and the manifests cut back (``missing_pages``);
 * an unreadable payload (EIO, EMFILE, EACCES …): a fault and a miss; nothing is deleted;
-* no valid tag: a miss counted as ``unauthenticated``; an unknown codec: ``unknown_codec``.
+* no valid tag (the store has a secret): a miss counted as ``unauthenticated``, and quarantined
+  so that a record under the secret writes it again; an unknown codec: ``unknown_codec``.
 
 Hits are noted in memory per page and stored by the writer thread in batches (:class:`Touches`).
 """
@@ -107,6 +108,10 @@ class Reader:
         signer = parts.signer
         if signer.enabled and not signer.verify(meta.tag, signer.page(key, meta.n_tokens, payload)):
             parts.counters.add("unauthenticated")
+            # out of service like a damaged page, so that the next record of these tokens
+            # writes it again under the secret (a store that just got one heals as it is used)
+            if parts.rw_ok:
+                self.tree.quarantine(key, "unauthenticated", corrupt=False)
             return None
         try:
             page = decode(payload, meta.n_tokens)

@@ -125,8 +125,9 @@ def is_lock_error(exc: BaseException) -> bool:
 
 
 def is_no_space(exc: BaseException) -> bool:
-    """The filesystem (or the database on it) is full."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    """The filesystem (or the database on it) is full, or a file may not grow (EFBIG: a file
+    size limit, RLIMIT_FSIZE or the filesystem's): either way no write will succeed now."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return True
     return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc).lower()
 

@@ -136,8 +136,8 @@ class DiskTier:
         except Exception as exc:
             self._parts.health.fault(exc, "open")
 
-    def _idle(self) -> None:
-        """A unit of housekeeping for the writer thread."""
+    def _idle(self) -> bool:
+        """A unit of housekeeping for the writer thread; True while a walk has more to do."""
         if self._maintenance.due:
             self._maintenance.run()
         elif self._reconciler.pending:
@@ -146,6 +146,7 @@ class DiskTier:
             except Exception:
                 self._reconciler.abandon()  # a later open resumes from its lease
                 raise
+        return self._reconciler.pending
 
     # ------------------------------------------------------------------ state
 

@@ -187,8 +187,11 @@ class Tree:
             entries = unpack_children(raw) if raw else []
         except StoreDataError:
             entries = []  # a damaged index is rebuilt from what is added
-        if all(c.key != key for c in entries):
-            entries.append(Child(key, tokens, self.parts.signer.child(parent, key, tokens)))
+        signer = self.parts.signer
+        tag = signer.child(parent, key, tokens)
+        if all(c.key != key or c.tag != tag for c in entries):
+            # an entry for the same page without this tag (unsigned, or planted) is replaced
+            entries = [c for c in entries if c.key != key] + [Child(key, tokens, tag)]
             store.set(KIDS + parent, pack_children(entries[-MAX_CHILDREN:]))
 
     def _kid_remove(self, parent: bytes, key: bytes) -> None:
@@ -293,10 +296,12 @@ class Tree:
     # ------------------------------------------------------------------ repairs
     # Own transaction; faults are counted and the caller fails open.
 
-    def quarantine(self, key: bytes, reason: str) -> None:
-        """Take a page that failed validation out of service, record why, cut its manifests."""
+    def quarantine(self, key: bytes, reason: str, *, corrupt: bool = True) -> None:
+        """Take a page that failed validation out of service, record why, cut its manifests
+        (``corrupt``: count it in ``corrupt_entries``; an unauthentic page is counted apart)."""
         parts = self.parts
-        parts.counters.add("corrupt_entries")
+        if corrupt:
+            parts.counters.add("corrupt_entries")
         log.warning("L3 page %s quarantined: %s", key.hex(), reason)
         removed = [key]
         try:

@@ -27,16 +27,20 @@ GiB = 1 << 30
 MAX_QUEUED_BYTES = 1 * GiB
 #: How often the idle writer wakes for housekeeping.
 IDLE_POLL_S = 0.25
+#: The pause between two batches of a housekeeping job that has more to do (a reconciliation
+#: walk): short, so a 50k-page walk ends in seconds, but a pause, so queued records go first.
+BUSY_POLL_S = 0.005
 
 
 class Writer:
-    """Queue and thread; ``write`` writes one record, ``idle`` does a unit of housekeeping."""
+    """Queue and thread; ``write`` writes one record, ``idle`` does a unit of housekeeping and
+    says whether more is pending."""
 
     def __init__(
         self,
         parts: Parts,
         write: Callable[[PrefixRecord], None],
-        idle: Callable[[], None],
+        idle: Callable[[], bool],
         *,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
     ) -> None:
@@ -111,11 +115,12 @@ class Writer:
                 self._thread.start()
 
     def _loop(self) -> None:
+        busy = False
         while not self._stop.is_set():
             try:
-                rec = self._queue.get(timeout=IDLE_POLL_S)
+                rec = self._queue.get(timeout=BUSY_POLL_S if busy else IDLE_POLL_S)
             except queue.Empty:
-                self._housekeeping()
+                busy = self._housekeeping()
                 continue
             if rec is None:
                 self._queue.task_done()
@@ -128,13 +133,15 @@ class Writer:
             finally:
                 self._unqueue(rec)
                 self._queue.task_done()
-            self._housekeeping()
+            busy = self._housekeeping()
 
-    def _housekeeping(self) -> None:
+    def _housekeeping(self) -> bool:
+        """One unit of housekeeping; True when more is pending."""
         try:
-            self._idle()
+            return self._idle()
         except Exception as exc:
             self.parts.health.fault(exc, "housekeeping")
+            return False
 
     def flush(self, timeout: float) -> bool:
         """Wait until the queued records are written; False on timeout (or no thread)."""
