@@ -43,10 +43,17 @@ def plant(directory: Path, rows: dict[bytes, bytes], *, mode: int = 1) -> None:
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
-    """Every file under the store: (size, mtime in ns, sha256), and the directories' mtimes."""
+    """Every file under the store: (size, mtime in ns, sha256), and the directories' mtimes.
+
+    Not ``cache.db-shm``: SQLite's shared-memory index of the write-ahead log, where every
+    reader, a read-only one included, takes its read mark; it holds no store data and any
+    opener rebuilds it from the log.
+    """
     out: dict[str, tuple[int, int, str]] = {}
     for folder, dirs, files in os.walk(directory):
         for name in dirs + files:
+            if name == "cache.db-shm":
+                continue
             path = Path(folder, name)
             info = path.lstat()
             digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
@@ -186,3 +193,18 @@ def test_a_damaged_store_opened_by_a_worker_is_repaired_in_the_background(tmp_pa
     assert out["rec"]["ran"] is True and out["rec"]["manifests_quarantined"] == 5
     assert out["rec"]["untrusted_rows"] >= 1 and out["rec"]["stale_pins_removed"] >= 1
     assert out["activity"]["internal_errors"] == 0
+
+
+def test_a_database_that_is_not_sqlite_is_reported_not_raised(tmp_path: Path) -> None:
+    store = tmp_path / "l3"
+    store.mkdir(mode=0o700)
+    (store / "cache.db").write_bytes(b"this is not a database " * 200)
+    report = json.loads(run_ok("kv-cache", "status", "--json", *flags(store)).stdout)
+    assert (report["effective"]["state"], report["effective"]["reason"]) == (
+        "degraded",
+        "storage_unavailable",
+    )
+    for command in ("prune", "clear"):
+        done = cli("kv-cache", command, "--yes", *flags(store))
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert "unavailable" in done.stderr

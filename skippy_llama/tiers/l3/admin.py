@@ -84,6 +84,7 @@ class Admin:
             total, reconciliation, manifests = Counter(), None, []
             n_pages = n_quarantined = skipped = 0
         # counted after the listing, which counts what it skips (unauthentic manifests)
+        parts.sync_untrusted()
         mine, pending = parts.counters.process(), parts.counters.pending()
         activity = dict(total)
         for name, n in pending.items():
@@ -179,6 +180,7 @@ class Admin:
             return 0
 
     def prune(self, target_bytes: int | None, model_identity: str | None) -> PruneResult:
+        self._manifests()  # damaged or foreign manifests are quarantined on the way
         before = self.used_bytes()
         target = target_bytes
         everything = False

@@ -39,6 +39,16 @@ class Parts:
     lock: threading.RLock = field(default_factory=threading.RLock)
     listeners: list[Callable[[bytes], None]] = field(default_factory=list)
 
+    untrusted_seen: int = 0  # the store's untrusted-row count already added to ``counters``
+
+    def sync_untrusted(self) -> None:
+        """Add the rows the store dropped as untrusted since the last call to the counters (the
+        store counts them where it meets them, in any module's read)."""
+        store = self.store
+        if store is not None and store.untrusted_rows > self.untrusted_seen:
+            self.counters.add("untrusted_rows", store.untrusted_rows - self.untrusted_seen)
+            self.untrusted_seen = store.untrusted_rows
+
     @property
     def rw(self) -> DiskStore:
         """The store, for a write; only called where the caller checked it is writable."""

@@ -52,6 +52,7 @@ class Maintenance:
         if not parts.rw_ok:
             return
         touches = self.touches.take()
+        parts.sync_untrusted()
         deltas = parts.counters.take()
         store = parts.rw
         promoted = reused = 0

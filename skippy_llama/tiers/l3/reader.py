@@ -80,7 +80,6 @@ class Reader:
         try:
             meta = self.tree.meta(key)
         except UntrustedRowError:
-            parts.counters.add("untrusted_rows")
             self._bad(key, "untrusted_row")
             return None
         except StoreDataError:
@@ -91,7 +90,6 @@ class Reader:
         try:
             payload = store.get(DATA + key)
         except UntrustedRowError:
-            parts.counters.add("untrusted_rows")
             self._bad(key, "untrusted_row")
             return None
         if payload is None:  # the value file or row is gone (checked again before repairs)

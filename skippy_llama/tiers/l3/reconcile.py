@@ -220,7 +220,6 @@ class Reconciler:
             dropped = store.sweep_untrusted()
             run.counts["untrusted_rows"] += dropped
             run.counts["unknown_keys"] = store.unknown_keys()
-        self.parts.counters.add("untrusted_rows", dropped)
         return True
 
     def _pins(self, run: _Progress) -> bool:
