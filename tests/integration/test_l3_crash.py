@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from l3_crash_worker import check, settings
 from test_l3_runtime import PROMPTS, l3_env, reference, run_worker, start
 
 from skippy_llama.tiers.disk import DiskTier
@@ -68,19 +69,16 @@ def repairs(rec: dict[str, Any]) -> int:
     return sum(int(rec[n]) for n in names) + int(rec["quarantined"])
 
 
-def fresh_check(store: Path) -> dict[str, Any]:
-    """A fresh process (this one) reconciles with digests: what a kill left is at most orphans
-    and stale pins, never a page whose bytes differ from what was committed."""
-    from skippy_llama.config import L3Settings
-
-    settings = L3Settings(
-        mode="fixed", budget="64MiB", directory=store, minimum_free="1GiB", compression="none"
-    )
-    with DiskTier(settings, reconcile=False, close_at_exit=False) as tier:
+def fresh_check(store: Path, log: Path, big: dict[int, int] | None = None) -> dict[str, Any]:
+    """Open the store as a fresh tier in this process: read every record that may be stored
+    (before any repair), then reconcile with digests twice. What a kill left must be at most
+    orphans and stale pins, never a page whose bytes differ from what was committed."""
+    with DiskTier(settings(str(store)), reconcile=False, close_at_exit=False) as tier:
+        reads = check(tier, [int(x) for x in log.read_text().split()], big or {})
         first = tier.reconcile(verify=True).to_json()
         second = tier.reconcile(verify=True).to_json()
         state = tier.state
-    return {"first": first, "second": second, "state": state}
+    return {"reads": reads, "first": first, "second": second, "state": state}
 
 
 def unreferenced_files(store: Path) -> list[str]:
@@ -111,8 +109,10 @@ def test_sigkill_during_records_never_serves_a_half_written_page(tmp_path: Path)
         kill(proc)
         kills += 1
         while_writing += 1
-        after = fresh_check(store)
-        assert after["state"] == "active"
+        if round_ % 2:
+            continue  # the next worker reads this kill's store unrepaired (and walks it)
+        after = fresh_check(store, log)
+        assert after["state"] == "active" and after["reads"]["wrong"] == 0, after
         assert after["first"]["quarantined"] == 0, after  # nothing committed was damaged
         assert repairs(after["second"]) == 0, after  # and after one walk: consistent
         repaired += repairs(after["first"])
@@ -161,16 +161,17 @@ def test_a_full_disk_mid_write_turns_l3_read_only_and_corrupts_nothing(tmp_path:
     activity = full["activity"]
     assert activity["storage_errors"] >= 1 and activity["dropped_low_space"] >= 3
     assert activity["internal_errors"] == 0
-    # requests are still served, exactly: records 6 and 7 whole, record 8 up to its shared page
-    assert full["check"]["wrong"] == 0 and full["check"]["served"] == 2 + 2 + 1
+    # requests are still served, exactly: records 6 and 7 whole, 8 to 11 up to their shared
+    # document page (stored before)
+    assert full["check"]["wrong"] == 0 and full["check"]["served"] == 2 + 2 + 4 * 1
 
     assert unreferenced_files(store) == []  # the partial value file did not stay behind
-    after = fresh_check(store)
-    assert after["state"] == "active"  # a process with room writes again
+    after = fresh_check(store, log, {8: 8 * MiB})
+    assert after["state"] == "active" and after["reads"]["wrong"] == 0  # room: writes again
     assert after["first"]["quarantined"] == 0 and repairs(after["second"]) == 0
     proc = spawn({"dir": str(store), "log": str(log), "start": 12, "count": 2})
     check = line(proc, "check")
-    assert check["wrong"] == 0 and check["served"] == 2 * 6 + 2 + 2 + 1
+    assert check["wrong"] == 0 and check["served"] == 2 * 6 + 2 + 2 + 4 * 1
     line(proc, "ready")
     done = line(proc, "done")
     proc.communicate(timeout=60)
