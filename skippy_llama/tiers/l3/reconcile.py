@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
@@ -86,6 +87,7 @@ class Reconciler:
         self.result = Reconciliation()  # the latest one this process finished
         self._run: _Progress | None = None
         self._token = os.urandom(8)  # this tier's lease (several tiers may share a process)
+        self._step_lock = threading.Lock()
 
     @property
     def pending(self) -> bool:
@@ -149,7 +151,8 @@ class Reconciler:
 
     def run(self, *, verify: bool = False) -> Reconciliation:
         """Reconcile the whole store now (an operator call; tests)."""
-        self._run = _Progress(verify=verify, whole=True)
+        with self._step_lock:
+            self._run = _Progress(verify=verify, whole=True)
         while self.step():
             pass
         return self.result
@@ -166,7 +169,16 @@ class Reconciler:
         self.parts.rw.set(RECONCILER, dump_json(lease))
 
     def step(self) -> bool:
-        """One batch; True while more remain."""
+        """One batch; True while more remain.
+
+        Steps are serialized: an operator's :meth:`run` and the writer thread's background steps
+        advance one walk, never the same batch twice (two threads once pushed the phase past the
+        last one).
+        """
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> bool:
         run = self._run
         if run is None:
             return False
@@ -203,7 +215,8 @@ class Reconciler:
             )
             store.set(RECONCILIATION, dump_json(self.result.to_json()))
             store.delete(RECONCILER)
-        self._run = None
+        if self._run is run:
+            self._run = None
         return False
 
     def _batch(self, run: _Progress, kind: bytes) -> list[bytes]:

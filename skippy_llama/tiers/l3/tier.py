@@ -372,8 +372,9 @@ class DiskTier:
         """
         self._admin.require_store("reconcile")
         self.flush()
-        with self._store_lock:
-            return self._reconciler.run(verify=verify)
+        # not under the store lock: each batch takes it for its transaction (a background step
+        # holds the walk's own lock, then the store lock; the other order would deadlock)
+        return self._reconciler.run(verify=verify)
 
     def prune(
         self, target_bytes: int | None = None, model_identity: str | None = None
