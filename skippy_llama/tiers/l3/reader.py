@@ -66,6 +66,18 @@ class Reader:
         self.pins = pins
         self.touches = Touches()
 
+    def meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
+        """(digest, reference count) of a stored page from its metadata alone; None when absent,
+        damaged (a read quarantines it) or unreadable (a counted fault)."""
+        try:
+            meta = self.tree.meta(key)
+        except StoreDataError:
+            return None
+        except Exception as exc:
+            self.parts.health.fault(exc, where)
+            return None
+        return None if meta is None else (meta.digest, len(meta.owners))
+
     def _bad(self, key: bytes, reason: str) -> None:
         if self.parts.rw_ok:
             self.tree.quarantine(key, reason)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ...admission import AdmissionPolicy
 from ...config import L3Settings
-from ...errors import StoreDataError
 from ..records import ClearResult, DiskState, DiskStatus, PrefixRecord, PruneResult, Reconciliation
 from .admin import Admin
 from .auth import Signer, load_secret
@@ -250,16 +249,7 @@ class DiskTier:
         return out
 
     def _meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
-        if not self.serving:
-            return None
-        try:
-            meta = self._tree.meta(key)
-        except StoreDataError:
-            return None  # a read quarantines it
-        except Exception as exc:
-            self._parts.health.fault(exc, where)
-            return None
-        return None if meta is None else (meta.digest, len(meta.owners))
+        return self._reader.meta_field(key, where) if self.serving else None
 
     def digest(self, key: bytes) -> bytes | None:
         """The stored digest of page ``key`` (metadata only), or None if the store lacks it."""
