@@ -16,6 +16,10 @@ Usage::
 
     .venv/bin/python benchmarks/bench_l3_open.py [--sizes 1000,10000,50000] [--repeats 5]
         [--scratch DIR] [--out benchmarks/results/l3_open.json]
+
+The same script measures an older build when its package comes first on ``PYTHONPATH`` (the
+children inherit it), e.g. the code before issue 9, which reconciled the whole store at open:
+``git archive 2a4a0c1 skippy_llama | tar -x -C /tmp/old && PYTHONPATH=/tmp/old ...``.
 """
 
 from __future__ import annotations
@@ -63,11 +67,26 @@ print(json.dumps({"open_to_first_page_s": t1 - t0, "pages": len(pages), "walk_do
 """
 
 
+def chain(labels: list[str]) -> Any:
+    """A record whose page i is keyed by the labels up to i; random (incompressible) payloads."""
+    import random
+
+    import xxhash
+
+    from skippy_llama.tiers.records import PageBlob, PrefixRecord
+
+    pages, parent = [], b"\0" * 16
+    for label in labels:
+        key = xxhash.xxh3_128_digest(parent + label.encode())
+        payload = b"SKPG" + random.Random(key).randbytes(PAGE_BYTES - 4)
+        tokens = random.Random(label).randbytes(4 * 128)
+        pages.append(PageBlob(key, parent, 128, tokens, payload, 128))
+        parent = key
+    return PrefixRecord("c" * 32, "m1", "name-m1", 128 * len(pages), tuple(pages))
+
+
 def build(directory: Path, n_pages: int) -> list[str]:
     """A store of ``n_pages`` pages; returns the hex keys of one stored prefix (3 pages)."""
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
-    from test_tier_disk import chain  # the unit tests' synthetic records
-
     from skippy_llama.config import L3Settings
     from skippy_llama.tiers.disk import DiskTier
 
@@ -83,13 +102,14 @@ def build(directory: Path, n_pages: int) -> list[str]:
     with DiskTier(settings, close_at_exit=False) as tier:
         for r in range(n_pages // PAGES_PER_RECORD):
             labels = [f"r{r}p{i}" for i in range(PAGES_PER_RECORD)]
-            rec = chain(labels, size=PAGE_BYTES)
+            rec = chain(labels)
             while not tier.record(rec):
                 tier.flush(60)
             if r == n_pages // PAGES_PER_RECORD // 2:
                 probe = [p.key.hex() for p in rec.pages[:3]]
         assert tier.flush(600)
-        tier.reconcile()  # a clean, recently reconciled store
+        if hasattr(tier, "reconcile"):  # (a build before issue 9 reconciles when it opens)
+            tier.reconcile()  # a clean, recently reconciled store
     return probe
 
 
