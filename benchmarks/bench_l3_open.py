@@ -134,7 +134,7 @@ def measure(directory: Path, keys: list[str], *, wait_walk: bool) -> dict[str, A
         capture_output=True,
         text=True,
         check=True,
-        cwd=ROOT,
+        cwd=directory.parent,  # not the checkout: ``-c`` puts the cwd before PYTHONPATH
     )
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["pages"] == len(keys), result
