@@ -22,8 +22,8 @@ from ..records import (
 from .context import Parts
 from .eviction import Evictor
 from .pins import Pins
+from .policy_api import LOW_WATERMARK
 from .reconcile import stored_reconciliation
-from .recorder import LOW_WATERMARK
 from .schema import DATA, MAN, QUAR, RECONCILIATION, Manifest
 from .stats import stored_activity
 from .tree import Tree

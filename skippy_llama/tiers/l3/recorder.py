@@ -19,12 +19,9 @@ from ..records import PrefixRecord
 from .context import Parts
 from .eviction import Evictor
 from .pins import Pins
-from .policy_api import PageStats, Policy
+from .policy_api import LOW_WATERMARK, PageStats, Policy
 from .schema import DATA, MAN, META
 from .tree import Tree
-
-#: Eviction goes down to this fraction of the budget, so that it runs in bursts, not per write.
-LOW_WATERMARK = 0.85
 
 
 class Recorder:
