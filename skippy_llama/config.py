@@ -76,6 +76,7 @@ _EXAMPLES = {
     "l3.writer_queue": "64",
     "l3.policy": "'reuse' (default), 'lru' or 'shipped'",
     "l3.trace_file": "'/tmp/skippy-trace.jsonl'",
+    "l3.secret_file": "'/etc/skippy-llama/l3.key' (created with `head -c 32 /dev/urandom`)",
 }
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -149,6 +150,14 @@ class L3Settings(BaseModel):
     shared_group: bool = Field(
         False,
         description="accept a store directory its group may write (everyone in it is trusted)",
+    )
+    secret_file: Annotated[Path, BeforeValidator(_absolute_file)] | None = Field(
+        None,
+        description=(
+            "a file holding a secret (16-4096 bytes, not readable by others): every page, "
+            "child-index entry and manifest is tagged with an HMAC under it, and one without a "
+            "valid tag is a miss; processes sharing a store must share the secret"
+        ),
     )
     compression: Compression = Field(
         "auto",

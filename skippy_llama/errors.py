@@ -4,6 +4,23 @@ Every error the package raises on purpose derives from :class:`SkippyError`, so 
 catch the whole family in one ``except``. Cache-data problems (corrupt pages, layout drift) are
 raised below the orchestrator and turned into misses there; configuration problems reach the
 user at start-up with a message that names the setting.
+
+The tree::
+
+    SkippyError
+    ├── ConfigError (ValueError)            a setting, named, with a valid example
+    ├── StateFormatError (ValueError)       a sequence-state blob or page is malformed
+    │   ├── LayoutMismatchError             ... or does not match the live KV layout
+    │   └── UnknownCodecError               ... or names a codec this build does not read
+    ├── TierError                           a cache tier failed; the orchestrator fails open
+    │   ├── StoreDataError                  an L3 record on disk is damaged or foreign
+    │   │   ├── ManifestError               ... a manifest (damaged, foreign or other version)
+    │   │   └── UntrustedRowError           ... a row L3 did not write (pickle, foreign file)
+    │   ├── TransientReadError              a value exists but cannot be read now
+    │   └── UntrustedDirectoryError         the L3 directory is not private to this user
+    ├── PackageError (ValueError)           a model package is malformed or tampered with
+    ├── ModelNotFoundError (FileNotFoundError)
+    └── RosterError (ValueError)            the patch queue or roster is inconsistent
 """
 
 from __future__ import annotations
@@ -31,6 +48,35 @@ class UnknownCodecError(StateFormatError):
 
 class TierError(SkippyError):
     """A cache tier failed (I/O, corruption, lock contention); the orchestrator fails open."""
+
+
+class StoreDataError(TierError):
+    """An L3 record on disk (page metadata, manifest, child index, pin) is damaged, foreign, or of
+    a version this build does not read: the store quarantines it and counts a miss."""
+
+
+class ManifestError(StoreDataError):
+    """An L3 manifest that does not parse, contradicts itself, is stored under another prefix's
+    key, or has a version this build does not read (``version`` when it has one). The store
+    quarantines it (its pages become orphans) and ``kv-cache`` commands skip it."""
+
+    def __init__(self, message: str, *, version: object = None) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+class UntrustedRowError(StoreDataError):
+    """An L3 store row skippy did not write: a pickled or text key or value, or a file name
+    diskcache would not generate. It is dropped and counted, never unpickled or followed."""
+
+
+class TransientReadError(TierError):
+    """A stored value could not be read for a reason other than its absence (EIO, EMFILE,
+    EACCES …): a fault and a miss, never a reason to delete anything."""
+
+
+class UntrustedDirectoryError(TierError):
+    """The L3 directory is a symlink, belongs to another user, or others may write it."""
 
 
 class PackageError(SkippyError, ValueError):

@@ -132,8 +132,9 @@ def _confirm(question: str, yes: bool) -> bool:
 def cmd_status(args: argparse.Namespace) -> int:
     """``kv-cache status [--json]``."""
     loaded = settings_from_args(args)
-    # No reconciliation: status must not change the store; it reports the latest one recorded.
-    tier = DiskTier(loaded.settings.l3, reconcile=False, close_at_exit=False)
+    # Read-only: status must not change the store (not even diskcache's settings table, nor a
+    # missing directory); it reports the latest reconciliation recorded.
+    tier = DiskTier(loaded.settings.l3, reconcile=False, close_at_exit=False, read_only=True)
     try:
         status = tier.status()
     finally:
@@ -204,7 +205,12 @@ def format_status(report: dict[str, Any]) -> str:
             f"  free space   {'unknown' if free is None else human_size(free)}"
             f" (reserve {human_size(usage['minimum_free_bytes'])})",
             f"  entries      {usage['manifests']} prefixes, {usage['pages']} pages, "
-            f"{usage['quarantined']} quarantined",
+            f"{usage['quarantined']} quarantined"
+            + (
+                f", {usage['skipped_manifests']} prefixes skipped (damaged or unauthentic)"
+                if usage["skipped_manifests"]
+                else ""
+            ),
             "activity (all processes):",
             f"  hits {act['hits']}, misses {act['misses']}, pages read {act['pages_read']} "
             f"({human_size(act['bytes_read'])})",
@@ -215,6 +221,9 @@ def format_status(report: dict[str, Any]) -> str:
             f"storage errors {act['storage_errors']}, lock timeouts {act['lock_timeouts']}",
             f"  admission: admitted {act['admitted']}, rejected {act['rejected']}, "
             f"fallback {act['admission_fallback']}, promoted {act['promotions']}",
+            f"  trust: unauthenticated {act['unauthenticated']}, untrusted rows "
+            f"{act['untrusted_rows']}, damaged manifests {act['damaged_manifests']}, "
+            f"internal errors {act['internal_errors']}",
         ]
         rec = report["reconciliation"]
         if rec["ran"]:

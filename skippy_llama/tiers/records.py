@@ -116,6 +116,9 @@ class DiskUsage(_Json):
     manifests: int = 0
     pages: int = 0
     quarantined: int = 0
+    # manifests left out above: damaged, of another version, or without a valid tag (a damaged
+    # one is quarantined by the next reconciliation, prune or clear; status itself writes nothing)
+    skipped_manifests: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ class DiskActivity(_Json):
     pages_deduplicated: int = 0  # pages a record found already stored
     bytes_written: int = 0
     manifests_written: int = 0
-    evictions: int = 0  # manifests evicted for the budget
+    evictions: int = 0  # manifests evicted for the budget (cut back to nothing)
     pages_evicted: int = 0
     pruned: int = 0  # manifests removed by prune/clear
     corrupt_entries: int = 0  # pages that failed digest/size checks (quarantined)
@@ -145,7 +148,12 @@ class DiskActivity(_Json):
     admitted: int = 0
     rejected: int = 0
     admission_fallback: int = 0  # admitted by write-through because costs were not measured yet
-    promotions: int = 0  # manifests that left probation (second hit)
+    promotions: int = 0  # pages that left probation (second hit)
+    pages_refused: int = 0  # new pages the store's policy did not admit (the record ends there)
+    unauthenticated: int = 0  # pages, index entries, manifests without a valid tag (missed)
+    untrusted_rows: int = 0  # rows L3 did not write (pickled, text, foreign file names): dropped
+    damaged_manifests: int = 0  # damaged or foreign-version manifests quarantined
+    internal_errors: int = 0  # bugs in L3's own code (logged as errors): must stay 0
 
     @classmethod
     def from_counts(cls, counts: dict[str, int]) -> DiskActivity:
@@ -171,6 +179,8 @@ class Reconciliation(_Json):
     manifests_removed: int = 0  # manifests that were unreadable or whose pages are missing
     index_fixed: int = 0  # child-index entries pointing at missing pages (or unreadable)
     quarantined: int = 0  # pages quarantined by this run
+    manifests_quarantined: int = 0  # damaged or foreign-version manifests moved aside
+    untrusted_rows: int = 0  # rows of pickled/text values or foreign file names dropped
     quarantined_total: int = 0  # quarantine records in the store after this run
 
 

@@ -74,7 +74,9 @@ def main(spec):
         rec = make_record(labels, spec["size"], model)
         out["read"].append(len(tier.read([p.key for p in rec.pages])))
     tier.flush(60)
-    out["process_activity"] = tier.status().process_activity.to_json()
+    status = tier.status()
+    out["process_activity"] = status.process_activity.to_json()
+    out["quarantined"] = status.usage.quarantined
     out["reconciliation"] = tier.reconciliation.to_json()
     tier.close()
     print(json.dumps(out))
@@ -245,11 +247,14 @@ def test_prune_to_target(tmp_path: Path) -> None:
     result = json.loads(done.stdout)
     assert result["target_bytes"] == target and result["reached_target"] is True
     assert result["bytes_before"] == before and result["bytes_after"] <= target
-    assert 0 < result["manifests_removed"] < 6
-    assert result["pages_removed"] == 2 * result["manifests_removed"]
+    # eviction takes pages (by the store's policy, deepest first on ties): a prefix that loses
+    # its last page is cut back to its first one, a prefix that loses both is removed
+    assert 0 <= result["manifests_removed"] < 6
+    assert 2 * result["manifests_removed"] <= result["pages_removed"] < 12
     usage = status_json(store)["usage"]
     assert usage["used_bytes"] <= target
     assert usage["manifests"] == 6 - result["manifests_removed"]
+    assert usage["pages"] == 12 - result["pages_removed"]
     human = cli("kv-cache", "prune", "--target", "1GiB", "--yes", *flags(store))
     assert human.returncode == 0 and "pruned 0 prefixes" in human.stdout
 
@@ -429,7 +434,9 @@ def test_flipped_byte_is_quarantined_and_reported(tmp_path: Path) -> None:
     assert report["usage"]["quarantined"] == 1
     assert report["activity"]["corrupt_entries"] == 1
 
+    # the next process (no walk at open: reconciliation is off the request path) still reports
+    # the quarantine record and serves the valid prefix
     again = finish(worker({"dir": str(store), "size": 100 * KiB, "read": [labels]}))
-    assert again["reconciliation"]["quarantined_total"] == 1
+    assert again["quarantined"] == 1
     assert again["read"] == [1]
-    assert status_json(store)["reconciliation"]["quarantined_total"] == 1
+    assert status_json(store)["usage"]["quarantined"] == 1

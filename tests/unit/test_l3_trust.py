@@ -20,8 +20,9 @@ from test_tier_disk import PLENTY, chain, keys_of, page_file, record_now, settin
 
 from skippy_llama.codecs import decode, encode
 from skippy_llama.errors import StateFormatError
-from skippy_llama.tiers import disk as disk_mod
 from skippy_llama.tiers.disk import DiskTier
+from skippy_llama.tiers.l3.pins import HOST, PIN_LEASE_S, process_start
+from skippy_llama.tiers.l3.schema import dump_json
 
 _META, _DATA = b"\x06", b"\x07"
 
@@ -48,6 +49,7 @@ def tier_at(tmp_path: Path) -> Iterator[Any]:
     yield make
     for tier in opened:
         tier.close()
+    assert [t._parts.counters.get("internal_errors") for t in opened] == [0] * len(opened)
 
 
 def _db(directory: Path) -> sqlite3.Connection:
@@ -75,8 +77,10 @@ def test_planted_pickle_rows_are_never_unpickled(tmp_path: Path, tier_at: Any) -
     assert tier.state == "active"
     assert tier.read(keys_of(rec)) == []  # the planted page is a miss …
     tier.status()
+    tier.reconcile()  # walks every row
     assert not marker.exists()  # … and nothing was ever unpickled
     assert tier.untrusted_rows >= 2
+    assert tier.status().activity.untrusted_rows >= 2
 
 
 def test_a_foreign_file_name_is_never_opened_nor_deleted(tmp_path: Path, tier_at: Any) -> None:
@@ -152,19 +156,60 @@ def test_pins_of_a_reused_pid_or_past_their_lease_do_not_hold_pages(
 ) -> None:
     tier = tier_at(tmp_path / "l3")
     record_now(tier, chain(["a"]))
-    key = b"\x09" * 16
-    cache = tier._cache
-    me, host = os.getpid(), tier._host
+    key = b"\x09" * 15  # + one letter of the pin's name: a 16-byte page key
+    store = tier._parts.rw
+    me, host = os.getpid(), HOST
     pins = {
-        b"\x01" + b"live": {"pid": me, "start": disk_mod._start_time(me), "host": host},
+        b"\x01" + b"live": {"pid": me, "start": process_start(me), "host": host},
         b"\x01" + b"reused": {"pid": me, "start": "1", "host": host},  # same pid, other process
-        b"\x01" + b"expired": {"pid": me, "start": disk_mod._start_time(me), "host": host},
+        b"\x01" + b"expired": {"pid": me, "start": process_start(me), "host": host},
     }
     for name, pin in pins.items():
-        at = time.time() - (2 * disk_mod.PIN_LEASE_S if b"expired" in name else 0)
-        cache.set(name, disk_mod._dumps({**pin, "at": at, "keys": [(key + name[1:2]).hex()]}))
-    with tier._local_pin([b"\x0a" * 16]):
-        remote_view = tier._live_pins(local=False)
-        local_view = tier._live_pins(local=True)
+        at = time.time() - (2 * PIN_LEASE_S if b"expired" in name else 0)
+        store.set(name, dump_json({**pin, "at": at, "keys": [(key + name[1:2]).hex()]}))
+    with tier._pins.local([b"\x0a" * 16]):
+        remote_view = tier._pins.live(local=False)
+        local_view = tier._pins.live(local=True)
     assert remote_view == {key + b"l"}  # only the live pin; this process's reads not included
     assert local_view == {key + b"l", b"\x0a" * 16}
+
+
+class _BuggyPolicy:
+    """An admission/eviction policy with a bug: the writer thread must log it as one."""
+
+    name = "buggy"
+
+    def admit(self, page: Any, now: float) -> bool:
+        return bool(1 // 0)  # ZeroDivisionError: not a storage fault
+
+    def priority(self, page: Any, now: float) -> float:
+        return 0.0
+
+    def evicted(self, page: Any, now: float) -> None:
+        return None
+
+
+def test_a_bug_in_the_writer_thread_is_an_error_not_a_storage_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = DiskTier(
+        settings(tmp_path / "l3"),
+        disk_free=lambda _p: PLENTY,
+        close_at_exit=False,
+        policy=_BuggyPolicy(),
+    )
+    try:
+        with caplog.at_level("ERROR", logger="skippy_llama.tiers.l3"):
+            rec = chain(["a"])
+            assert tier.record(rec)
+            assert tier.flush(10)
+        activity = tier.status().process_activity
+        assert activity.internal_errors == 1 and activity.storage_errors == 0
+        assert activity.dropped_writes == 1
+        assert tier.state == "active"  # a bug does not turn the store degraded …
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "internal error" in errors[0].getMessage()
+        assert errors[0].exc_info is not None and errors[0].exc_info[0] is ZeroDivisionError
+        assert tier.read(keys_of(rec)) == []  # … and nothing half-written is served
+    finally:
+        tier.close()

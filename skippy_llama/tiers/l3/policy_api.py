@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+#: Eviction goes down to this fraction of the budget once over it, so that it runs in bursts,
+#: not per write (the live store and the simulator share it).
+LOW_WATERMARK = 0.85
+
 
 @dataclass(frozen=True)
 class PageStats:

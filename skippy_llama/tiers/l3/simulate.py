@@ -26,11 +26,9 @@ from typing import Any
 
 from ...sizes import format_size, human_size
 from .policies import LIVE_POLICIES, make_policy
-from .policy_api import PageStats, Policy
+from .policy_api import LOW_WATERMARK, PageStats, Policy
 from .trace import LookupEvent, RecordEvent, TraceEvent
 
-#: The store evicts to this fraction of its budget once over it (``tiers/disk.py``'s value).
-LOW_WATERMARK = 0.85
 #: Rates used when a trace carries none (SmolLM2-135M on 2 CPU cores, DESIGN.md §3): a cold
 #: prefill of ~230 tokens/s; a restore of ~23 kB/token state at ~1 GB/s (read, assemble, set).
 DEFAULT_PREFILL_S_PER_TOKEN = 1 / 230

@@ -1,0 +1,154 @@
+"""The read path: serve the longest prefix of pages that exist, verify and decode.
+
+Each page is checked in order: its metadata parses, its payload is there (absent is told apart
+from unreadable), has the declared size and digest, carries a valid tag when the store has a
+secret, and decodes within the size its token count allows. The first page that fails ends the
+prefix:
+
+* damaged metadata, a wrong size or digest, an undecodable frame, an untrusted row: quarantined
+  (the manifests that listed it are cut back to the valid prefix) and counted;
+* a missing payload: its metadata is dropped and the manifests cut back (``missing_pages``);
+* an unreadable payload (EIO, EMFILE, EACCES …): a fault and a miss; nothing is deleted;
+* no valid tag (the store has a secret): a miss counted as ``unauthenticated``, and quarantined
+  so that a record under the secret writes it again; an unknown codec: ``unknown_codec``.
+
+Hits are noted in memory per page and stored by the writer thread in batches (:class:`Touches`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...codecs import decode
+from ...errors import StateFormatError, StoreDataError, UnknownCodecError, UntrustedRowError
+from .context import Parts
+from .pins import Pins
+from .schema import DATA, PageMeta
+from .tree import Tree, payload_digest
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """The decoded pages served (a prefix of the keys asked for) and their metadata."""
+
+    pages: list[bytes]
+    metas: list[PageMeta]
+
+
+class Touches:
+    """Per-page hits and last-use times waiting to be stored (page key -> (last use, hits))."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, tuple[float, int]] = {}
+
+    def note(self, keys: Sequence[bytes], now: float) -> None:
+        with self._lock:
+            for key in keys:
+                _, hits = self._pending.get(key, (now, 0))
+                self._pending[key] = (now, hits + 1)
+
+    def take(self) -> dict[bytes, tuple[float, int]]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
+
+
+class Reader:
+    """Verified reads of page payloads (see the module docstring)."""
+
+    def __init__(self, parts: Parts, tree: Tree, pins: Pins) -> None:
+        self.parts = parts
+        self.tree = tree
+        self.pins = pins
+        self.touches = Touches()
+
+    def meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
+        """(digest, reference count) of a stored page from its metadata alone; None when absent,
+        damaged (a read quarantines it) or unreadable (a counted fault)."""
+        try:
+            meta = self.tree.meta(key)
+        except StoreDataError:
+            return None
+        except Exception as exc:
+            self.parts.health.fault(exc, where)
+            return None
+        return None if meta is None else (meta.digest, len(meta.owners))
+
+    def _bad(self, key: bytes, reason: str) -> None:
+        if self.parts.rw_ok:
+            self.tree.quarantine(key, reason)
+        else:
+            self.parts.counters.add("corrupt_entries")
+
+    def _page(self, key: bytes) -> tuple[bytes, PageMeta] | None:
+        """One verified, decoded page, or None (and the failure handled)."""
+        parts = self.parts
+        store = parts.store
+        assert store is not None
+        try:
+            meta = self.tree.meta(key)
+        except UntrustedRowError:
+            self._bad(key, "untrusted_row")
+            return None
+        except StoreDataError:
+            self._bad(key, "bad_metadata")
+            return None
+        if meta is None:
+            return None  # the chain simply ends here
+        try:
+            payload = store.get(DATA + key)
+        except UntrustedRowError:
+            self._bad(key, "untrusted_row")
+            return None
+        if payload is None:  # the value file or row is gone (checked again before repairs)
+            parts.counters.add("missing_pages")
+            if parts.rw_ok:
+                self.tree.cut_back(key, "missing")
+            return None
+        if len(payload) != meta.size:
+            self._bad(key, "truncated" if len(payload) < meta.size else "size")
+            return None
+        if payload_digest(payload) != meta.digest:
+            self._bad(key, "digest_mismatch")
+            return None
+        signer = parts.signer
+        if signer.enabled and not signer.verify(meta.tag, signer.page(key, meta.n_tokens, payload)):
+            parts.counters.add("unauthenticated")
+            # out of service like a damaged page, so that the next record of these tokens
+            # writes it again under the secret (a store that just got one heals as it is used)
+            if parts.rw_ok:
+                self.tree.quarantine(key, "unauthenticated", corrupt=False)
+            return None
+        try:
+            page = decode(payload, meta.n_tokens)
+        except UnknownCodecError:
+            parts.counters.add("unknown_codec")  # another version's data: a miss, kept
+            return None
+        except StateFormatError:
+            self._bad(key, "undecodable")
+            return None
+        return page, meta
+
+    def read(self, keys: Sequence[bytes]) -> ReadResult:
+        """Pages of the longest prefix of ``keys`` that exists and verifies; never raises for
+        storage faults (they are counted)."""
+        pages: list[bytes] = []
+        metas: list[PageMeta] = []
+        with self.pins.local(keys):
+            for key in keys:
+                try:
+                    found = self._page(key)
+                except Exception as exc:  # transient I/O, locks; a bug is logged as one
+                    self.parts.health.fault(exc, "read")
+                    break
+                if found is None:
+                    break
+                pages.append(found[0])
+                metas.append(found[1])
+        if pages:
+            self.touches.note(keys[: len(pages)], time.time())
+        return ReadResult(pages, metas)
