@@ -221,7 +221,10 @@ class SkippyLlama(llama_cpp.Llama):
         if settings.l3.mode == "off" or self.kv_layout is None:
             return None, None, None
         if self.cache_identity.n_swa > 0:
-            # sliding-window models mask old cells per layer; pages of them are not certified
+            # measured by scripts/certify.py (roster/split-certified.json, gemma3 rows): the
+            # state of a sliding-window model has a second section holding only the window's
+            # cells, swa_full or not, so pages cut from a capture cannot rebuild a shorter
+            # prefix; and the patched range export / append import handle plain KV caches only
             log.warning(
                 "skippy-llama: SWA model (n_swa=%d): L2/L3 off, L1 only", self.cache_identity.n_swa
             )
