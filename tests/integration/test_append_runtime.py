@@ -122,3 +122,30 @@ def test_resident_prefix_continued_by_l3_pages(
     assert event is not None
     _expect_split(llm, event, LONG - 2)
     assert np.array_equal(got, _cold_logits(cold, prompt))
+
+
+@pytest.mark.skipif(not PATCHED, reason="needs the patched llama.cpp build")
+def test_a_refused_append_falls_back_and_stays_exact(
+    smollm2_path: Path,
+    tokens: list[int],
+    filled: Path,
+    cold: llama_cpp.Llama,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: the library refuses the append; the request falls back to what L1 alone
+    holds (the live prefix, parked when the prompt left it) and stays exact."""
+    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    try:
+        llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
+        monkeypatch.setattr(native_ext, "append_import", lambda *_: False)
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+        fallbacks = dict(llm.prefix_cache.counters.fallbacks)
+    finally:
+        llm.close()
+    assert event is not None and event.fallbacks and event.l1_tokens == 0
+    assert event.tier == "l1" and event.cached_tokens == SHORT
+    assert sum(n for reason, n in fallbacks.items() if reason.startswith("l3")) == 1
+    assert np.array_equal(got, _cold_logits(cold, prompt))
