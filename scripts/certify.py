@@ -15,8 +15,12 @@ content digest the row records; a row lists only the lanes that passed:
   append_import_exact  a resident prefix continued by append import gives bit-identical logits,
                        and non-continuing blobs are refused with the sequence untouched
   restart_exact        pages written to disk restore exactly in a fresh process
-  (l1_stream_copy_exact is certified by the runtime's own tests, not here: the L1 seam is being
-   rewritten)
+  l1_stream_copy_exact a resident prefix kept as a device checkpoint and copied back (the L1 path)
+                       gives bit-identical logits; cut shorter too, except for sliding-window
+                       models, whose checkpoints the runtime serves only at full length
+
+Models: SmolLM2-135M (llama) and Gemma 3 270M (gemma3, sliding-window attention, run past its
+512-token window). A lane that fails is recorded with its reason under the row's "failed".
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from skippy_llama.errors import RosterError  # noqa: E402
 from skippy_llama.identity import file_digest  # noqa: E402
-from skippy_llama.models import default_model_path  # noqa: E402
+from skippy_llama.models import default_model_path, gemma3_model_path  # noqa: E402
 from skippy_llama.roster import (  # noqa: E402
     PATCHES_DIR,
     ROSTER_PATH,
@@ -49,6 +53,7 @@ from skippy_llama.roster import (  # noqa: E402
     parse_roster,
 )
 from skippy_llama.runtime import native, native_ext  # noqa: E402
+from skippy_llama.runtime.llama import SkippyLlama, _context_hook  # noqa: E402
 from skippy_llama.runtime.recipe import library_recipe, row_key  # noqa: E402
 from skippy_llama.state import (  # noqa: E402
     assemble,
@@ -57,6 +62,7 @@ from skippy_llama.state import (  # noqa: E402
     parse_state,
     slice_state,
 )
+from skippy_llama.state.format import SequenceState, parse_sections  # noqa: E402
 from skippy_llama.state.pages import Page  # noqa: E402
 
 TEXT = (
@@ -65,8 +71,6 @@ TEXT = (
     "wound the clockwork that turned the light; ships far out at sea watched for its pulse. "
 )
 PAGE = 64
-# prefix pages, a continuation, and a suffix whose logits are compared
-SPLIT = (128, 192, 300)
 
 
 @dataclass(frozen=True)
@@ -88,17 +92,34 @@ LAYOUTS = (
 class Model:
     name: str
     path: Path
+    #: prefix pages, a continuation, and a suffix whose logits are compared
+    split: tuple[int, int, int]
 
 
 def _models() -> list[Model]:
-    return [Model("SmolLM2-135M-Instruct.Q4_1", default_model_path())]
+    return [
+        Model("SmolLM2-135M-Instruct.Q4_1", default_model_path(), (128, 192, 300)),
+        # past Gemma 3's 512-token window, where the sliding-window layers drop cells
+        Model("gemma-3-270m-q4_k_m", gemma3_model_path(), (256, 640, 704)),
+    ]
 
 
-def _llama(model: Path, layout: Layout) -> llama_cpp.Llama:
-    return llama_cpp.Llama(
-        str(model), n_ctx=1024, n_batch=512, type_k=layout.type_k, type_v=layout.type_v,
-        flash_attn=layout.flash_attn, verbose=False,
-    )  # fmt: skip
+def _llama(model: Path, layout: Layout, n_seq_max: int = 1) -> llama_cpp.Llama:
+    # the runtime's own context adjustment: n_seq_max sequences in one unified cache
+    _context_hook.adjust = SkippyLlama._context_adjuster(n_seq_max)
+    try:
+        return llama_cpp.Llama(
+            str(model), n_ctx=1024, n_batch=512, type_k=layout.type_k, type_v=layout.type_v,
+            flash_attn=layout.flash_attn, swa_full=True, verbose=False,
+        )  # fmt: skip
+    finally:
+        _context_hook.adjust = None
+
+
+def _tokens(llm: llama_cpp.Llama, n: int) -> list[int]:
+    tokens = llm.tokenize((TEXT * 16).encode())[:n]
+    assert len(tokens) == n, "the certification text is too short"
+    return tokens
 
 
 def _logits(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
@@ -119,50 +140,113 @@ class Run:
 
     def __init__(self, model: Model, layout: Layout) -> None:
         self.model, self.layout = model, layout
+        self.split = model.split
         self.cold = _llama(model.path, layout)
-        self.tokens = self.cold.tokenize((TEXT * 4).encode())[: SPLIT[2]]
-        a, b, c = SPLIT
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self.cold.model))
+        self.tokens = _tokens(self.cold, self.split[2])
+        a, b, c = self.split
         for lo, hi in ((0, a), (a, b), (b, c)):
             self.cold.eval(self.tokens[lo:hi])
         self.reference = _logits(self.cold)
-        self.full = parse_state(native.get_seq_state(self.cold.ctx, 0))
+        self.blob = native.get_seq_state(self.cold.ctx, 0)
+        # a sliding-window model's state has a second section the page format does not hold
+        self.sections: list[SequenceState] = parse_sections(self.blob)
+        self.full: SequenceState | None = (
+            parse_state(self.blob) if len(self.sections) == 1 else None
+        )
 
-    def warm(self) -> llama_cpp.Llama:
-        return _llama(self.model.path, self.layout)
+    @property
+    def kv_layout(self) -> Any:
+        return self.sections[0].layout
+
+    def paging_refusal(self) -> str | None:
+        """Why pages of this model cannot be cut (None when they can), from the measured state."""
+        if self.full is not None:
+            return None
+        parts = ", ".join(
+            f"{sec.layout.n_layer} layers holding {sec.n_tokens} cells "
+            f"[{int(sec.positions.min())}, {int(sec.positions.max()) + 1})"
+            for sec in self.sections
+        )
+        return (
+            f"the state of {self.split[2]} tokens has {len(self.sections)} memory sections "
+            f"({parts}; n_swa {self.n_swa}, swa_full on): the sliding-window layers keep only "
+            "their window's cells, so pages cut from a capture cannot rebuild a shorter "
+            "prefix; SWA models stay L1-only"
+        )
+
+    def warm(self, n_seq_max: int = 1) -> llama_cpp.Llama:
+        return _llama(self.model.path, self.layout, n_seq_max)
 
     def close(self) -> None:
         self.cold.close()
 
 
-def lane_page_restore(run: Run) -> bool:
+Outcome = str | None
+"""A lane's result: None when it passed, else why not."""
+
+DIFFER = "logits differ from a cold prefill"
+
+
+def _exact(got: np.ndarray[Any, Any], run: Run) -> Outcome:
+    if np.array_equal(got, run.reference):
+        return None
+    return f"{DIFFER} (max |d| {float(np.abs(got - run.reference).max()):.3g})"
+
+
+def lane_page_restore(run: Run) -> Outcome:
+    if run.full is None:
+        return run.paging_refusal()
+    a, b, _ = run.split
     pages = [page_from_bytes(p.to_bytes()) for p in cut_pages(run.full, PAGE)]
-    blob = assemble(pages[: SPLIT[1] // PAGE], run.full.layout, seq_id=0)
+    blob = assemble(pages[: b // PAGE], run.full.layout, seq_id=0)
     warm = run.warm()
     try:
-        warm.eval(run.tokens[: SPLIT[0]])  # something else in the sequence: set_data clears it
+        warm.eval(run.tokens[:a])  # something else in the sequence: set_data clears it
         if not native.set_seq_state(warm.ctx, blob, 0):
-            return False
-        return bool(np.array_equal(_continue(warm, run.tokens, SPLIT[1]), run.reference))
+            return "llama_state_seq_set_data refused the assembled prefix"
+        return _exact(_continue(warm, run.tokens, b), run)
     finally:
         warm.close()
 
 
-def lane_range_export(run: Run) -> bool:
+def lane_range_export(run: Run) -> Outcome:
+    if run.full is None:
+        # measured: the patched call exports llama_kv_cache memory only
+        size = native_ext.range_export_size(run.cold.ctx, 0, 0, PAGE)
+        if size == 0:
+            return (
+                "skippy_state_seq_range_get_size returns 0: patch 0002 exports llama_kv_cache "
+                "memory only, and this model's is llama_kv_cache_iswa"
+            )
+        return run.paging_refusal()
     n = run.full.n_tokens
     for p0, p1 in ((0, PAGE), (PAGE, 3 * PAGE), (3 * PAGE, n), (5, -1)):
         end = n if p1 < 0 else p1
         part = parse_state(native_ext.range_export(run.cold.ctx, 0, p0, p1))
         want = np.arange(p0, end, dtype=np.int32)
         if part.layout != run.full.layout or not np.array_equal(part.positions, want):
-            return False
+            return f"range [{p0}, {p1}) exported other cells or another layout"
         page = Page(p0, part.n_tokens, part.layout, part.ext, part.k, part.v)
         if page.to_bytes() != slice_state(run.full, p0, end).to_bytes():
-            return False
-    return True
+            return f"range [{p0}, {p1}) differs from the slice of a full export"
+    return None
 
 
-def lane_append_import(run: Run) -> bool:
-    a, b, _ = SPLIT
+def lane_append_import(run: Run) -> Outcome:
+    a, b, _ = run.split
+    if run.full is None:
+        # measured: offer the whole stock state to an empty sequence
+        warm = run.warm()
+        try:
+            if native_ext.append_import(warm.ctx, run.blob, 0):
+                return run.paging_refusal()
+            return (
+                "skippy_state_seq_append_data refuses: patch 0003 appends to llama_kv_cache "
+                "memory only, and this model's is llama_kv_cache_iswa"
+            )
+        finally:
+            warm.close()
     good = native_ext.range_export(run.cold.ctx, 0, a, b)
     bad = [
         native_ext.range_export(run.cold.ctx, 0, a + 8, b),
@@ -175,48 +259,89 @@ def lane_append_import(run: Run) -> bool:
         before = bytes(native.get_seq_state(warm.ctx, 0))
         for blob in bad:
             if native_ext.append_import(warm.ctx, blob, 0):
-                return False
+                return "a blob whose positions do not continue was accepted"
             if bytes(native.get_seq_state(warm.ctx, 0)) != before:
-                return False
+                return "a refused append changed the sequence"
         if not native_ext.append_import(warm.ctx, good, 0):
-            return False
-        return bool(np.array_equal(_continue(warm, run.tokens, b), run.reference))
+            return "a continuing blob was refused"
+        return _exact(_continue(warm, run.tokens, b), run)
     finally:
         warm.close()
 
 
-def lane_restart(run: Run) -> bool:
+def lane_l1_copy(run: Run) -> Outcome:
+    """The L1 path: a device checkpoint copied back, at full length and (not SWA) cut shorter."""
+    a, b, c = run.split
+    warm = run.warm(n_seq_max=2)
+    try:
+        for lo, hi in ((0, a), (a, b)):
+            warm.eval(run.tokens[lo:hi])
+        handle = native.checkpoint(warm.ctx, 0, 1, b)
+        native.seq_rm(warm.ctx, 0)
+        warm.n_tokens = 0
+        warm.eval(run.tokens[c - 40 : c])  # something else in the working sequence
+        native.restore_checkpoint(warm.ctx, handle, 0)
+        full = _exact(_continue(warm, run.tokens, b), run)
+        if full is not None:
+            return f"a checkpoint restored at full length: {full}"
+        # a checkpoint of all c tokens cut to b
+        handle = native.checkpoint(warm.ctx, 0, 1, c)
+        native.seq_rm(warm.ctx, 0)
+        warm.n_tokens = 0
+        native.restore_checkpoint(warm.ctx, handle, 0)
+        native.seq_rm(warm.ctx, 0, b, -1)
+        cut = _exact(_continue(warm, run.tokens, b), run)
+        if cut is not None and run.n_swa and c > run.n_swa:
+            # the checkpoint holds only the last n_swa cells of the sliding-window layers; the
+            # runtime (ResidentIndex.window) never cuts such a checkpoint, so this is not its path
+            print(
+                f"certify: {run.model.name} {run.layout.name} checkpoint cut {c}->{b}: {cut} "
+                f"(expected with n_swa {run.n_swa}; the runtime serves it only at full length)"
+            )
+            return None
+        return None if cut is None else f"a checkpoint cut shorter: {cut}"
+    finally:
+        warm.close()
+
+
+def lane_restart(run: Run) -> Outcome:
+    if run.full is None:
+        return run.paging_refusal()
+    _, b, c = run.split
     with tempfile.TemporaryDirectory() as tmp:
-        pages = cut_pages(run.full, PAGE)[: SPLIT[1] // PAGE]
+        pages = cut_pages(run.full, PAGE)[: b // PAGE]
         for i, page in enumerate(pages):
             (Path(tmp) / f"{i:04d}.page").write_bytes(page.to_bytes())
         np.save(Path(tmp) / "reference.npy", run.reference)
         child = subprocess.run(
-            [sys.executable, __file__, "--restart-child", tmp, str(run.model.path), run.layout.name],
+            [sys.executable, __file__, "--restart-child", tmp, str(run.model.path),
+             run.layout.name, str(b), str(c)],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         if child.returncode != 0:
             print(child.stdout + child.stderr, file=sys.stderr)
-        return child.returncode == 0
+            return f"the fresh process's restore did not match ({child.returncode})"
+        return None
 
 
-def restart_child(tmp: str, model: str, layout_name: str) -> int:
+def restart_child(tmp: str, model: str, layout_name: str, b: str, c: str) -> int:
     """The fresh process of ``restart_exact``: restore the pages from disk and compare logits."""
     layout = next(lay for lay in LAYOUTS if lay.name == layout_name)
     pages = [page_from_bytes(p.read_bytes()) for p in sorted(Path(tmp).glob("*.page"))]
     reference = np.load(Path(tmp) / "reference.npy")
     llm = _llama(Path(model), layout)
     try:
-        tokens = llm.tokenize((TEXT * 4).encode())[: SPLIT[2]]
+        tokens = _tokens(llm, int(c))
         if not native.set_seq_state(llm.ctx, assemble(pages, pages[0].layout, seq_id=0), 0):
             return 1
-        return 0 if np.array_equal(_continue(llm, tokens, SPLIT[1]), reference) else 1
+        return 0 if np.array_equal(_continue(llm, tokens, int(b)), reference) else 1
     finally:
         llm.close()
 
 
-LANES: dict[str, Callable[[Run], bool]] = {
+LANES: dict[str, Callable[[Run], Outcome]] = {
     "page_restore_exact": lane_page_restore,
+    "l1_stream_copy_exact": lane_l1_copy,
     "range_export_slice": lane_range_export,
     "append_import_exact": lane_append_import,
     "restart_exact": lane_restart,
@@ -241,17 +366,23 @@ def certify(path: Path, patches: Path) -> int:
             run = Run(model, layout)
             try:
                 arch = str(run.cold.metadata.get("general.architecture", "unknown"))
-                passed = []
+                passed: list[str] = []
+                failed: list[tuple[str, str]] = []
                 for lane, fn in LANES.items():
-                    ok = fn(run)
-                    print(f"certify: {model.name} {layout.name} {lane}: {'pass' if ok else 'FAIL'}")
-                    if ok:
+                    try:
+                        why = fn(run)
+                    except Exception as exc:  # a lane that crashes did not pass; say why
+                        why = f"{type(exc).__name__}: {exc}"
+                    print(f"certify: {model.name} {layout.name} {lane}: {why or 'pass'}")
+                    if why is None:
                         passed.append(lane)
-                key = row_key(arch, native.backend_name(), run.full.layout)
+                    else:
+                        failed.append((lane, why))
+                key = row_key(arch, native.backend_name(), run.kv_layout)
             finally:
                 run.close()
             if passed:
-                rows.append(RosterRow(key, tuple(passed), model.name, digest))
+                rows.append(RosterRow(key, tuple(passed), model.name, digest, tuple(failed)))
     roster = Roster(want, tuple(rows))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(roster.to_json(), "utf-8")
@@ -304,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--patches", type=Path, default=PATCHES_DIR, help="patch queue (default: %(default)s)"
     )
-    parser.add_argument("--restart-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--restart-child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.restart_child:
         return restart_child(*args.restart_child)

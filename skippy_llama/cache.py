@@ -36,6 +36,11 @@ class LookupResult:
     ``tier`` says where it lives; ``n_tokens`` how many prompt tokens it covers; ``seq_id`` the
     resident sequence for L1; ``payloads`` the serialized pages (in order) for L2/L3, of which
     the first ``uses[i]`` tokens each are restored (a page is used partly at a branch point).
+
+    An *append plan* (``base_tokens > 0``, only where the runtime can append-import) continues
+    an L1 prefix with L2/L3 pages: the first ``base_tokens`` come from the live sequence
+    (``base_seq_id`` None) or the resident checkpoint ``base_seq_id``, and the payloads are only
+    the pages reaching past them, whose cells before ``base_tokens`` are skipped.
     """
 
     tier: Tier
@@ -45,6 +50,13 @@ class LookupResult:
     uses: tuple[int, ...] = ()
     lookup_s: float = 0.0
     fallbacks: tuple[str, ...] = ()
+    base_tokens: int = 0
+    base_seq_id: int | None = None
+
+    @property
+    def appended_tokens(self) -> int:
+        """Tokens an append plan takes from L2/L3 pages (0 for other plans)."""
+        return self.n_tokens - self.base_tokens if self.base_tokens else 0
 
     def truncated(self, n: int) -> LookupResult:
         """The same plan cut to its first ``n`` tokens (cold when nothing is left)."""
@@ -52,9 +64,15 @@ class LookupResult:
             return self
         if n <= 0:
             return LookupResult("cold", 0, lookup_s=self.lookup_s, fallbacks=self.fallbacks)
+        if self.base_tokens and n <= self.base_tokens:
+            # nothing left to append: the L1 part alone
+            return LookupResult(
+                "l1", n, seq_id=self.base_seq_id, lookup_s=self.lookup_s, fallbacks=self.fallbacks
+            )
         payloads: list[bytes] = []
         uses: list[int] = []
-        left = n
+        # payload tokens are counted from position 0, the skipped part included
+        left = n - self.base_tokens + self._skipped()
         for payload, use in zip(self.payloads, self.uses, strict=True):
             if left == 0:
                 break
@@ -62,6 +80,10 @@ class LookupResult:
             uses.append(min(use, left))
             left -= uses[-1]
         return dataclasses.replace(self, n_tokens=n, payloads=tuple(payloads), uses=tuple(uses))
+
+    def _skipped(self) -> int:
+        """Tokens of an append plan's first page that lie below ``base_tokens``."""
+        return sum(self.uses) - self.appended_tokens if self.base_tokens else 0
 
 
 @dataclass
@@ -145,12 +167,15 @@ class PrefixCache:
         if ram is not None and disk is not None:
             disk.add_removal_listener(ram.invalidate)
 
-    def lookup(self, tokens: Tokens, limit: int, live: int) -> LookupResult:
+    def lookup(
+        self, tokens: Tokens, limit: int, live: int, *, append: bool = False
+    ) -> LookupResult:
         """Find the longest prefix of ``tokens[:limit]`` that beats the ``live`` sequence's match.
 
         ``limit`` is below ``len(tokens)``: the runtime always decodes the last prompt tokens so
         that their logits are fresh and computed as a cold prefill would. L2/L3 are consulted
-        only when they could beat L1.
+        only when they could beat L1. With ``append`` (the runtime can append-import) a deeper
+        hit keeps the L1 prefix and reads only the pages beyond it (an append plan).
         """
         started = time.perf_counter()
         self.counters.lookups += 1
@@ -161,7 +186,8 @@ class PrefixCache:
                 best = resident
         notes: tuple[str, ...] = ()
         if self.disk is not None and self.disk.serving and limit - best.n_tokens >= 1:
-            deep = self._deep_lookup(tokens, limit, best.n_tokens)
+            base = best if append and best.n_tokens > 0 else None
+            deep = self._deep_lookup(tokens, limit, best.n_tokens, base)
             if deep is not None and deep.n_tokens > best.n_tokens:
                 best = deep
             notes = deep.fallbacks if deep is not None else ()
@@ -218,17 +244,31 @@ class PrefixCache:
             parent, pos = end, pos + best.used
         return _Path(steps, parent)
 
-    def _deep_lookup(self, tokens: Tokens, limit: int, floor: int) -> LookupResult | None:
+    def _deep_lookup(
+        self, tokens: Tokens, limit: int, floor: int, base: LookupResult | None = None
+    ) -> LookupResult | None:
+        """L2/L3 pages of the longest stored path, if it beats ``floor`` tokens.
+
+        With ``base`` (an L1 hit of ``floor`` tokens the runtime can continue by append import)
+        only the pages reaching past ``floor`` are read, and the result is an append plan.
+        """
         assert self.disk is not None
         path = self._walk(tokens, limit)
         if path.n_tokens <= floor:
             if not path.steps:
                 self.disk.note_miss()
             return None
-        if not self._restore_pays(path.n_tokens, floor):
+        if not self._restore_pays(path.n_tokens, floor, appended=base is not None):
             self.counters.restores_skipped += 1
             return None
-        keys = [step.key for step in path.steps]
+        steps = path.steps
+        skipped = 0
+        if base is not None:
+            # drop the pages that lie wholly inside the L1 prefix: they are never read
+            while steps and skipped + steps[0].used <= floor:
+                skipped += steps[0].used
+                steps = steps[1:]
+        keys = [step.key for step in steps]
         disk = self.disk
         digests: dict[bytes, bytes | None] = {}
 
@@ -248,8 +288,8 @@ class PrefixCache:
             from_ram = len(payloads)
         if from_ram < len(keys):
             payloads.extend(self.disk.read(keys[from_ram:]))
-        uses = tuple(step.used for step in path.steps[: len(payloads)])
-        n_tokens = sum(uses)
+        uses = tuple(step.used for step in steps[: len(payloads)])
+        n_tokens = skipped + sum(uses)
         notes: tuple[str, ...] = ()
         if len(payloads) < len(keys):
             self.fallback("l3_short_read")
@@ -265,16 +305,23 @@ class PrefixCache:
                 if stored is not None:
                     self.ram.offer(key, page, stored, prefix_tokens=n_tokens)
         tier: Tier = "l2" if from_ram == len(payloads) else "l3"
-        return LookupResult(tier, n_tokens, payloads=tuple(payloads), uses=uses, fallbacks=notes)
+        result = LookupResult(tier, n_tokens, payloads=tuple(payloads), uses=uses, fallbacks=notes)
+        if base is not None:
+            result = dataclasses.replace(
+                result, base_tokens=floor, base_seq_id=base.seq_id if base.tier == "l1" else None
+            )
+        return result
 
-    def _restore_pays(self, n_tokens: int, floor: int) -> bool:
+    def _restore_pays(self, n_tokens: int, floor: int, *, appended: bool = False) -> bool:
         """Whether restoring ``n_tokens`` from L2/L3 beats prefilling the ``n_tokens - floor``
-        it saves, by this machine's measured costs (a restore rebuilds the whole prefix). Until
-        both costs are measured, restores go ahead: that is how they get measured."""
+        it saves, by this machine's measured costs (a restore rebuilds the whole prefix, an
+        append only the part past ``floor``). Until both costs are measured, restores go ahead:
+        that is how they get measured."""
         costs = self.admission.costs if self.admission is not None else None
         if costs is None or self.bytes_per_token <= 0:
             return True
-        restore = costs.restore_cost(n_tokens * self.bytes_per_token)
+        moved = n_tokens - floor if appended else n_tokens
+        restore = costs.restore_cost(moved * self.bytes_per_token)
         cold = costs.cold_cost(n_tokens - floor)
         return restore is None or cold is None or restore < cold
 

@@ -19,6 +19,9 @@ class CacheEvent:
         cached_tokens: prompt tokens restored instead of prefilled.
         restored_bytes: state bytes loaded into the context (0 for L1 sequence copies).
         suffix_tokens: prompt tokens prefilled.
+        l1_tokens / appended_tokens: for an L1 prefix continued by L2/L3 pages (append import,
+            on a certified patched library), the tokens the L1 copy gave and those appended
+            from pages; both 0 otherwise (``cached_tokens`` is their sum).
         repaired_tokens: generated tokens re-decoded as a batch after the reply, so that the next
             turn can reuse them bit-exactly (see ``l1.repair_generated``).
         park_ms: time spent keeping the previous prompt resident (and repairing its reply)
@@ -32,6 +35,8 @@ class CacheEvent:
     cached_tokens: int = 0
     restored_bytes: int = 0
     suffix_tokens: int = 0
+    l1_tokens: int = 0
+    appended_tokens: int = 0
     repaired_tokens: int = 0
     park_ms: float = 0.0
     lookup_ms: float = 0.0

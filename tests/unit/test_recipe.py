@@ -157,3 +157,14 @@ def test_row_key_reads_flash_attention_from_v_transposition() -> None:
     assert key == RowKey("llama", "CPU", "F16", "Q8_0", True)
     trans = replace(layer, v_type=1, v_unit=2, v_embd=64)
     assert row_key("llama", "CPU", KVLayout(v_trans=True, layers=(trans,))).flash_attn is False
+
+
+def test_failed_lanes_round_trip_and_are_checked() -> None:
+    row = RosterRow(KEY, ("l1_stream_copy_exact",), "m", "d", (("page_restore_exact", "why"),))
+    roster = Roster(RECIPE, (row,))
+    text = roster.to_json()
+    assert '"failed"' in text and parse_roster(text) == roster
+    assert parse_roster(text).to_json() == text
+    assert '"failed"' not in ROSTER.to_json()  # rows without failures keep the old form
+    with pytest.raises(RosterError, match="failed"):
+        parse_roster(text.replace('"page_restore_exact": "why"', '"teleport": "why"'))

@@ -108,3 +108,15 @@ def test_abandoned_park_forgets_every_slot_it_touched() -> None:
     index.abandon_park(longer)
     assert index.entries() == []
     assert index.lookup(ROOT, toks(range(200)), 199) is None
+
+
+def test_sliding_window_checkpoints_serve_only_their_full_length() -> None:
+    """A checkpoint longer than the window lacks the window before any shorter cut."""
+    index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=16, window=64)
+    long_seq = _park(index, toks(range(100)))
+    assert index.lookup(ROOT, toks(range(70), range(500, 520)), 89) is None
+    hit = index.lookup(ROOT, toks(range(110)), 108)
+    assert hit is not None and (hit.seq_id, hit.n_tokens) == (long_seq, 100)
+    short_seq = _park(index, toks(range(1000, 1050)))  # within the window: any cut is exact
+    hit = index.lookup(ROOT, toks(range(1000, 1030), range(7, 9)), 31)
+    assert hit is not None and (hit.seq_id, hit.n_tokens) == (short_seq, 30)

@@ -455,3 +455,26 @@ def test_parallel_assembly_writes_the_same_bytes(
     sequential = bytes(assemble(pages, state.layout))
     monkeypatch.setattr(pages_module, "PARALLEL_BYTES", 0)
     assert bytes(assemble(pages, state.layout)) == sequential == build_state(content).data
+
+
+@pytest.mark.parametrize("spec", [Spec(n_layer=2, v_trans=True), Spec(n_layer=2, ext_bytes=12)])
+def test_pages_past_a_resident_prefix_assemble_at_their_positions(spec: Spec) -> None:
+    """An append blob: cells [start, 20) from the page holding ``start`` onwards, at their own
+    positions, byte for byte the matching slice of the whole state."""
+    content = make_content(spec, 20, seed=9)
+    state = parse_state(build_state(content).data, ext_bytes=spec.ext_bytes)
+    pages = [page_from_bytes(p.to_bytes()) for p in cut_pages(state, 8)]
+    for start in (3, 8, 13, 19):
+        first = next(i for i, p in enumerate(pages) if p.start <= start < p.end)
+        tail = [pages[first].span(start, pages[first].end), *pages[first + 1 :]]
+        blob = assemble(tail, state.layout, start=start)
+        part = parse_state(blob, ext_bytes=spec.ext_bytes, first=start)
+        assert np.array_equal(part.positions, np.arange(start, 20, dtype=np.int32))
+        got = Page(start, part.n_tokens, part.layout, part.ext, part.k, part.v)
+        assert got.to_bytes() == slice_state(state, start, 20).to_bytes()
+        with pytest.raises(StateFormatError, match="consecutive"):
+            assemble(tail, state.layout)  # positions from 0 do not fit
+    assert pages[0].span(0, 8) is pages[0]
+    for bad in ((8, 9), (5, 5), (-1, 3)):
+        with pytest.raises(StateFormatError, match="cannot take"):
+            pages[0].span(*bad)
