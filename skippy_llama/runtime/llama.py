@@ -151,6 +151,7 @@ class SkippyLlama(llama_cpp.Llama):
         # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
         p = self.context_params
         self._on_device = all(t in _DEVICE_CHECKPOINT_TYPES for t in (p.type_k, p.type_v))
+        self._sliding_window = int(llama_cpp.llama_model_n_swa(self._model.model)) > 0
         # whether a checkpoint pays here (it always does on the CPU; see tiers/resident_costs)
         self._l1_costs = ResidentCosts()
         resident: ResidentIndex | None = None
@@ -385,6 +386,10 @@ class SkippyLlama(llama_cpp.Llama):
         limit = max(len(tokens) - DECODED_SUFFIX, 0)
         exact = self._live_exact()
         live = self._aligned(common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit]))
+        if self._sliding_window and 0 < live <= native.seq_pos_max(self.ctx, WORKING_SEQ):
+            # a sliding-window cache cut back inside its cells continued with logits off by up
+            # to 0.93 on Gemma 3 (plain Llama's prefix reuse too): when in doubt, prefill cold
+            live = 0
         if live < exact:
             # the prompt leaves the live sequence: keep it resident before it is overwritten
             parking = time.perf_counter()

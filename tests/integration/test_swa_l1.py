@@ -79,3 +79,23 @@ def test_swa_checkpoints_serve_only_their_full_length(
     # cut shorter it would be wrong: a miss, prefilled cold, and exact
     assert cut is not None and cut.tier == "cold" and cut.cached_tokens == 0
     assert np.array_equal(got_cut, _cold_logits(cold, shorter))
+
+
+def test_the_live_sequence_is_never_cut_back_inside_a_sliding_window(
+    gemma3_path: Path, tokens: list[int], cold: llama_cpp.Llama
+) -> None:
+    # cutting a Gemma 3 working sequence of 800 cells back to 511 and continuing gave logits off
+    # by 0.93 (plain Llama's own prefix reuse too); SkippyLlama prefills such a prompt cold
+    first = tokens[:800]
+    second = tokens[:511] + tokens[800:860]
+    want = _cold_logits(cold, second)
+    llm = SkippyLlama(str(gemma3_path), cache_settings=Settings(), **KWARGS)  # type: ignore[arg-type]
+    try:
+        llm.create_completion(first, max_tokens=1)
+        llm.create_completion(second, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.cached_tokens == 0
+    assert np.array_equal(got, want)
