@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..runtime import native
+from ..runtime.timing import on_tokens
 
 T = TypeVar("T")
 
@@ -46,27 +47,19 @@ def timed(base: type[T]) -> type[T]:
             timing = Timing(prompt_tokens=len(tokens))
             self.matrix_timing = timing
             started = last = time.perf_counter()
-            inner = super().generate(tokens, *args, **kwargs)
-            first = True
-            sent: Sequence[int] | None = None
-            try:
-                while True:
-                    try:
-                        token = next(inner) if first else inner.send(sent)
-                    except StopIteration:
-                        return
-                    now = time.perf_counter()
-                    if first:
-                        timing.ttft_ms = (now - started) * 1e3
-                        if self.matrix_keep_logits:
-                            timing.logits = native.last_logits(self.ctx, self.n_vocab())
-                        first = False
-                    else:
-                        timing.token_ms.append((now - last) * 1e3)
-                    last = now
-                    sent = yield token
-            finally:
-                inner.close()
+
+            def tick(i: int) -> None:
+                nonlocal last
+                now = time.perf_counter()
+                if i == 0:
+                    timing.ttft_ms = (now - started) * 1e3
+                    if self.matrix_keep_logits:
+                        timing.logits = native.last_logits(self.ctx, self.n_vocab())
+                else:
+                    timing.token_ms.append((now - last) * 1e3)
+                last = now
+
+            return (yield from on_tokens(super().generate(tokens, *args, **kwargs), tick))
 
     Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
     return Timed  # type: ignore[return-value]

@@ -34,6 +34,14 @@ def last_logits(llm: llama_cpp.Llama) -> np.ndarray[Any, np.dtype[np.float32]]:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
+def cold_logits(cold: llama_cpp.Llama, prompt: list[int]) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Last-token logits of ``prompt`` prefilled from an empty context by the plain ``cold``."""
+    cold.reset()
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(cold.ctx), True)
+    cold.eval(prompt)
+    return last_logits(cold)
+
+
 class CountingLlama(llama_cpp.Llama):
     """Plain Llama that records how many prompt tokens each ``generate`` prefilled."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from modelhelpers import TEXT, last_logits
+from modelhelpers import TEXT, cold_logits, last_logits
 
 from skippy_llama.config import Settings
 from skippy_llama.events import CacheEvent
@@ -53,13 +53,6 @@ def cold(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
     llm = llama_cpp.Llama(str(smollm2_path), **_kwargs())  # type: ignore[arg-type]
     yield llm
     llm.close()
-
-
-def _cold_logits(cold: llama_cpp.Llama, prompt: list[int]) -> np.ndarray:
-    cold.reset()
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(cold.ctx), True)
-    cold.eval(prompt)
-    return last_logits(cold)
 
 
 @pytest.fixture
@@ -102,7 +95,7 @@ def test_live_prefix_continued_by_l3_pages(
     finally:
         llm.close()
     _expect_split(llm, event, LONG - 2)
-    assert np.array_equal(got, _cold_logits(cold, prompt))
+    assert np.array_equal(got, cold_logits(cold, prompt))
 
 
 def test_resident_prefix_continued_by_l3_pages(
@@ -121,7 +114,7 @@ def test_resident_prefix_continued_by_l3_pages(
         llm.close()
     assert event is not None
     _expect_split(llm, event, LONG - 2)
-    assert np.array_equal(got, _cold_logits(cold, prompt))
+    assert np.array_equal(got, cold_logits(cold, prompt))
 
 
 @pytest.mark.skipif(not PATCHED, reason="needs the patched llama.cpp build")
@@ -148,4 +141,4 @@ def test_a_refused_append_falls_back_and_stays_exact(
     assert event is not None and event.fallbacks and event.l1_tokens == 0
     assert event.tier == "l1" and event.cached_tokens == SHORT
     assert sum(n for reason, n in fallbacks.items() if reason.startswith("l3")) == 1
-    assert np.array_equal(got, _cold_logits(cold, prompt))
+    assert np.array_equal(got, cold_logits(cold, prompt))

@@ -16,7 +16,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from modelhelpers import TEXT, last_logits
+from modelhelpers import TEXT, cold_logits, last_logits
 
 from skippy_llama.config import Settings
 from skippy_llama.runtime.llama import SkippyLlama
@@ -45,13 +45,6 @@ def cold(gemma3_path: Path) -> Iterator[llama_cpp.Llama]:
     llm.close()
 
 
-def _cold_logits(cold: llama_cpp.Llama, prompt: list[int]) -> np.ndarray:
-    cold.reset()
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(cold.ctx), True)
-    cold.eval(prompt)
-    return last_logits(cold)
-
-
 def test_swa_checkpoints_serve_only_their_full_length(
     gemma3_path: Path, tokens: list[int], cold: llama_cpp.Llama
 ) -> None:
@@ -75,10 +68,10 @@ def test_swa_checkpoints_serve_only_their_full_length(
         llm.close()
     # a checkpoint at its full length: reused and exact
     assert full is not None and full.tier == "l1" and full.cached_tokens == LONG
-    assert np.array_equal(got_full, _cold_logits(cold, longer))
+    assert np.array_equal(got_full, cold_logits(cold, longer))
     # cut shorter it would be wrong: a miss, prefilled cold, and exact
     assert cut is not None and cut.tier == "cold" and cut.cached_tokens == 0
-    assert np.array_equal(got_cut, _cold_logits(cold, shorter))
+    assert np.array_equal(got_cut, cold_logits(cold, shorter))
 
 
 def test_the_live_sequence_is_never_cut_back_inside_a_sliding_window(
@@ -88,7 +81,7 @@ def test_the_live_sequence_is_never_cut_back_inside_a_sliding_window(
     # by 0.93 (plain Llama's own prefix reuse too); SkippyLlama prefills such a prompt cold
     first = tokens[:800]
     second = tokens[:511] + tokens[800:860]
-    want = _cold_logits(cold, second)
+    want = cold_logits(cold, second)
     llm = SkippyLlama(str(gemma3_path), cache_settings=Settings(), **KWARGS)  # type: ignore[arg-type]
     try:
         llm.create_completion(first, max_tokens=1)
