@@ -19,6 +19,7 @@ import numpy.typing as npt
 from .admission import AdmissionPolicy
 from .events import Tier
 from .identity import CacheIdentity, chain_key, token_bytes
+from .parallel import PARALLEL_BYTES, ordered
 from .state import SequenceState, slice_state, sort_by_position
 from .tiers.disk import DiskTier
 from .tiers.l3.trace import TraceWriter
@@ -365,8 +366,15 @@ class PrefixCache:
             for step in plan.reused
         ]
         state = sort_by_position(state)  # once, not once per page
-        for key, parent, start, end in plan.new:
-            payload = slice_state(state, start, end).to_bytes()
+
+        def cut(span: tuple[bytes, bytes, int, int]) -> bytes:
+            return slice_state(state, span[2], span[3]).to_bytes()
+
+        # the copies release the GIL: a long record (720 MB at 32k tokens of a 1B model) is
+        # cut by several threads; the captured blob may be reused once this returns
+        parallel = state.n_tokens * state.layout.bytes_per_token >= PARALLEL_BYTES
+        payloads = ordered(cut, plan.new, parallel=parallel)
+        for (key, parent, start, end), payload in zip(plan.new, payloads, strict=True):
             pages.append(
                 PageBlob(
                     key, parent, end - start, token_bytes(tokens[start:end]), payload, end - start

@@ -129,7 +129,11 @@ class SkippyLlama(llama_cpp.Llama):
         self._reply_start = 0
         self._reply_repairable = False
         self._epoch = 0  # request counter: a stream finalized late must not touch a newer one
-        self._restore_buf = bytearray()
+        # one host buffer, grown to the largest use, for the blobs of L2/L3 restores and L3
+        # captures (never both at once: a capture's pages are copied out before it returns); a
+        # fresh one each time spends longer in page faults than the state call takes (measured:
+        # 0.48 s for 720 MB on the H200 host)
+        self._state_buf = bytearray()
         settings = self.cache_settings
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
         # sequence 1 doubles as the scratch sequence of range captures for L3 records
@@ -487,18 +491,15 @@ class SkippyLlama(llama_cpp.Llama):
         if base + sum(p.n_tokens for p in pages) != found.n_tokens:
             raise StateFormatError("restored pages do not cover the planned prefix")
         size = assembled_size(pages, self.kv_layout, start=base)
-        if len(self._restore_buf) < size:
-            # one buffer, grown to the largest restore: a fresh one per restore spends longer
-            # in page faults than set_data takes (measured: 0.48 s for 720 MB on the H200 host)
-            self._restore_buf = bytearray(size)
-        assemble_into(self._restore_buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
+        self._state_buf = native.fit(self._state_buf, size)
+        assemble_into(self._state_buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
         if base:
             self._place_base(found)
-            blob = memoryview(self._restore_buf)[:size]
+            blob = memoryview(self._state_buf)[:size]
             if not native_ext.append_import(self.ctx, blob, WORKING_SEQ):
                 raise TierError("skippy_state_seq_append_data refused the pages")
             event.l1_tokens, event.appended_tokens = base, found.n_tokens - base
-        elif not native.set_seq_state(self.ctx, self._restore_buf, WORKING_SEQ, size):
+        elif not native.set_seq_state(self.ctx, self._state_buf, WORKING_SEQ, size):
             raise TierError("llama_state_seq_set_data refused the blob")
         self._adopt(tokens, found.n_tokens)
         event.restored_bytes = size
@@ -635,18 +636,26 @@ class SkippyLlama(llama_cpp.Llama):
             raise StateFormatError("captured state does not match the probed KV layout")
         cache.record(plan, state, tokens)
 
-    def _capture(self, start: int, end: int) -> bytearray:
-        """The working sequence's cells at positions ``[start, end)``, in the stock format.
+    def _capture(self, start: int, end: int) -> memoryview:
+        """The working sequence's cells at positions ``[start, end)``, in the stock format, in
+        the shared state buffer (valid until the next capture or restore).
 
         The patched range export where the roster certifies it, else the stock path (cells
         shared with a scratch sequence and serialized from there); both cost O(end - start).
         """
+        view: memoryview | None = None
         if self.native_verdict.range_export:
             try:
-                return native_ext.range_export(self.ctx, WORKING_SEQ, start, end)
+                view = native_ext.range_export(self.ctx, WORKING_SEQ, start, end, self._state_buf)
             except TierError as exc:
                 log.warning("skippy-llama: range export failed (%s); using the stock path", exc)
-        return native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end)
+        if view is None:
+            view = native.capture_range(
+                self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end, self._state_buf
+            )
+        assert isinstance(view.obj, bytearray)
+        self._state_buf = view.obj
+        return view
 
     def close(self) -> None:
         """Free the model and context; pending L3 writes are flushed first (bounded wait)."""

@@ -16,17 +16,24 @@ from ..errors import TierError
 _GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "SYCL", "HIP", "MUSA", "CANN", "OpenCL")
 
 
-def get_seq_state(ctx: Any, seq_id: int) -> bytearray:
-    """Serialize sequence ``seq_id`` (``llama_state_seq_get_data``) into a fresh buffer."""
+def fit(buf: bytearray | None, size: int) -> bytearray:
+    """``buf`` when it holds ``size`` bytes, else a fresh buffer of ``size`` (the caller keeps
+    the larger one through ``memoryview.obj``)."""
+    return buf if buf is not None and len(buf) >= size else bytearray(size)
+
+
+def get_seq_state(ctx: Any, seq_id: int, buf: bytearray | None = None) -> memoryview:
+    """Serialize sequence ``seq_id`` (``llama_state_seq_get_data``) into ``buf`` (see
+    :func:`fit`; a fresh buffer when None): a view of the bytes written."""
     size = int(llama_cpp.llama_state_seq_get_size(ctx, seq_id))
-    buf = bytearray(size)
+    out = fit(buf, size)
     if size == 0:
-        return buf
-    arr = (ctypes.c_uint8 * size).from_buffer(buf)
+        return memoryview(out)[:0]
+    arr = (ctypes.c_uint8 * size).from_buffer(out)
     written = int(llama_cpp.llama_state_seq_get_data(ctx, arr, size, seq_id))
     if written != size:
         raise TierError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-    return buf
+    return memoryview(out)[:size]
 
 
 def set_seq_state(ctx: Any, blob: bytearray, seq_id: int, size: int | None = None) -> bool:
@@ -43,8 +50,11 @@ def _checked_size(n: int, what: str) -> int:
     return n
 
 
-def capture_range(ctx: Any, src: int, scratch: int, p0: int, p1: int) -> bytearray:
-    """Serialize only the cells of ``src`` at positions ``[p0, p1)`` (host memory).
+def capture_range(
+    ctx: Any, src: int, scratch: int, p0: int, p1: int, buf: bytearray | None = None
+) -> memoryview:
+    """Serialize only the cells of ``src`` at positions ``[p0, p1)`` into ``buf`` (host memory;
+    see :func:`get_seq_state`).
 
     The stock API serializes whole sequences, so the cells are first shared with the empty
     ``scratch`` sequence (a unified cache shares cells without copying), serialized from there and
@@ -53,7 +63,7 @@ def capture_range(ctx: Any, src: int, scratch: int, p0: int, p1: int) -> bytearr
     mem = memory(ctx)
     llama_cpp.llama_memory_seq_cp(mem, src, scratch, p0, p1)
     try:
-        return get_seq_state(ctx, scratch)
+        return get_seq_state(ctx, scratch, buf)
     finally:
         llama_cpp.llama_memory_seq_rm(mem, scratch, -1, -1)
 

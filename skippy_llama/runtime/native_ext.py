@@ -19,6 +19,7 @@ import llama_cpp
 from llama_cpp import llama_cpp as _bindings
 
 from ..errors import TierError
+from . import native
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,11 @@ def range_export_size(ctx: Any, seq_id: int, p0: int, p1: int) -> int:
     return int(_require().range_get_size(ctx, seq_id, p0, p1))
 
 
-def range_export(ctx: Any, seq_id: int, p0: int, p1: int) -> bytearray:
-    """The state of ``seq_id``'s cells with positions in ``[p0, p1)`` (``p1 < 0``: to the end).
+def range_export(
+    ctx: Any, seq_id: int, p0: int, p1: int, buf: bytearray | None = None
+) -> memoryview:
+    """The state of ``seq_id``'s cells with positions in ``[p0, p1)`` (``p1 < 0``: to the end),
+    written into ``buf`` (see :func:`native.fit`; a fresh buffer when None).
 
     Raises :class:`TierError` when the library cannot export (stock build, unsupported cache type).
     """
@@ -99,12 +103,12 @@ def range_export(ctx: Any, seq_id: int, p0: int, p1: int) -> bytearray:
     size = int(calls.range_get_size(ctx, seq_id, p0, p1))
     if size == 0:
         raise TierError(f"range export of sequence {seq_id} [{p0}, {p1}) is not supported here")
-    buf = bytearray(size)
-    arr = (ctypes.c_uint8 * size).from_buffer(buf)
+    out = native.fit(buf, size)
+    arr = (ctypes.c_uint8 * size).from_buffer(out)
     written = int(calls.range_get_data(ctx, arr, size, seq_id, p0, p1))
     if written != size:
         raise TierError(f"skippy_state_seq_range_get_data wrote {written} of {size} bytes")
-    return buf
+    return memoryview(out)[:size]
 
 
 def append_import(ctx: Any, blob: bytes | bytearray | memoryview, seq_id: int) -> bool:

@@ -17,16 +17,14 @@ Assembly writes every page straight into one preallocated buffer: no intermediat
 from __future__ import annotations
 
 import functools
-import os
 import struct
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import LayoutMismatchError, StateFormatError
+from ..parallel import PARALLEL_BYTES, run_all
 from .format import STATE_MAGIC, U8, SequenceState
 from .layout import KVLayout, LayerLayout, type_name
 
@@ -363,7 +361,7 @@ def assemble_into(
                 struct.pack_into("<iQ", out, off, layer.v_type, layer.v_unit)
                 copies.append(functools.partial(_write_rows, arr, off + 12, blocks))
                 off += 12 + n * layer.v_unit
-        _run(copies, parallel=size >= PARALLEL_BYTES)
+        run_all(copies, parallel=size >= PARALLEL_BYTES)
     if off != size:
         raise StateFormatError(f"assembled {off} bytes, planned {size}")  # pragma: no cover
     return size
@@ -376,25 +374,3 @@ def _write_columns(block: U8, rows: int, pages: Sequence[U8]) -> None:
     for page in pages:
         view[:, col : col + page.shape[1]] = page
         col += page.shape[1]
-
-
-#: Blobs from this size up are assembled by several threads: numpy releases the GIL while it
-#: copies, and one thread copying scattered page rows reaches a fraction of memory bandwidth
-#: (a 32k-token prefix of a 1B model is 720 MB; on a GPU build it sits on the request path).
-PARALLEL_BYTES = 32 << 20
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _run(tasks: Sequence[Callable[[], object]], *, parallel: bool) -> None:
-    global _POOL
-    if not parallel or len(tasks) < 2:
-        for task in tasks:
-            task()
-        return
-    with _POOL_LOCK:
-        if _POOL is None:
-            workers = max(1, min(8, (os.cpu_count() or 1)))
-            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="skippy-assemble")
-    for future in [_POOL.submit(task) for task in tasks]:
-        future.result()

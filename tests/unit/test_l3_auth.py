@@ -21,6 +21,9 @@ from skippy_llama.tiers.disk import DiskTier, payload_digest
 from skippy_llama.tiers.l3.auth import MIN_SECRET_BYTES, Signer
 from skippy_llama.tiers.l3.schema import PageMeta
 
+# every read path: pages read one by one, and on the thread pool
+pytestmark = pytest.mark.usefixtures("both_read_paths")
+
 _META, _DATA = b"\x06", b"\x07"
 
 

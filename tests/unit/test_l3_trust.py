@@ -24,6 +24,9 @@ from skippy_llama.tiers.disk import DiskTier
 from skippy_llama.tiers.l3.pins import HOST, PIN_LEASE_S, process_start
 from skippy_llama.tiers.l3.schema import dump_json
 
+# every read path: pages read one by one, and on the thread pool
+pytestmark = pytest.mark.usefixtures("both_read_paths")
+
 _META, _DATA = b"\x06", b"\x07"
 
 

@@ -27,6 +27,9 @@ from skippy_llama.tiers.l3.store import DiskStore
 from skippy_llama.tiers.ram import RamTier
 from skippy_llama.tiers.records import PageBlob, PrefixRecord
 
+# every read path: pages read one by one, and on the thread pool
+pytestmark = pytest.mark.usefixtures("both_read_paths")
+
 GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10

@@ -17,6 +17,7 @@ Hits are noted in memory per page and stored by the writer thread in batches (:c
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -24,10 +25,19 @@ from dataclasses import dataclass
 
 from ...codecs import decode
 from ...errors import StateFormatError, StoreDataError, UnknownCodecError, UntrustedRowError
+from ...parallel import PARALLEL_BYTES, ordered
 from .context import Parts
 from .pins import Pins
 from .schema import DATA, PageMeta
+from .store import StoredRow
 from .tree import Tree, payload_digest
+
+
+@dataclass(frozen=True)
+class _Located:
+    key: bytes
+    meta: PageMeta
+    row: StoredRow
 
 
 @dataclass(frozen=True)
@@ -84,10 +94,10 @@ class Reader:
         else:
             self.parts.counters.add("corrupt_entries")
 
-    def _page(self, key: bytes) -> tuple[bytes, PageMeta] | None:
-        """One verified, decoded page, or None (and the failure handled)."""
-        parts = self.parts
-        store = parts.store
+    def _locate(self, key: bytes) -> _Located | None:
+        """A page's metadata and where its payload lies (SQLite, the caller's thread), or None
+        (and the failure handled)."""
+        store = self.parts.store
         assert store is not None
         try:
             meta = self.tree.meta(key)
@@ -100,38 +110,65 @@ class Reader:
         if meta is None:
             return None  # the chain simply ends here
         try:
-            payload = store.get(DATA + key)
+            row = store.row(DATA + key)
         except UntrustedRowError:
             self._bad(key, "untrusted_row")
             return None
-        if payload is None:  # the value file or row is gone (checked again before repairs)
+        if row is None:
+            self._failed(key, "missing")
+            return None
+        return _Located(key, meta, row)
+
+    def _load(self, page: _Located) -> bytes | str:
+        """Read, verify and decode one payload: the page, or why it cannot be served.
+
+        Runs on any thread (file read, digest, tag and decode, no SQLite) and changes nothing:
+        :meth:`_failed` acts on the reason, in order, on the caller's thread.
+        """
+        try:
+            payload = page.row.read()
+        except UntrustedRowError:
+            return "untrusted_payload"
+        meta = page.meta
+        if payload is None:  # the value file is gone (checked again before repairs)
+            return "missing"
+        if len(payload) != meta.size:
+            return "truncated" if len(payload) < meta.size else "size"
+        if payload_digest(payload) != meta.digest:
+            return "digest_mismatch"
+        signer = self.parts.signer
+        if signer.enabled and not signer.verify(
+            meta.tag, signer.page(page.key, meta.n_tokens, payload)
+        ):
+            return "unauthenticated"
+        try:
+            return decode(payload, meta.n_tokens)
+        except UnknownCodecError:
+            return "unknown_codec"
+        except StateFormatError:
+            return "undecodable"
+
+    def _failed(self, key: bytes, reason: str) -> None:
+        """Count and repair after a page that cannot be served (see the module docstring)."""
+        parts = self.parts
+        if reason == "missing":
             parts.counters.add("missing_pages")
             if parts.rw_ok:
                 self.tree.cut_back(key, "missing")
-            return None
-        if len(payload) != meta.size:
-            self._bad(key, "truncated" if len(payload) < meta.size else "size")
-            return None
-        if payload_digest(payload) != meta.digest:
-            self._bad(key, "digest_mismatch")
-            return None
-        signer = parts.signer
-        if signer.enabled and not signer.verify(meta.tag, signer.page(key, meta.n_tokens, payload)):
+        elif reason == "unauthenticated":
             parts.counters.add("unauthenticated")
             # out of service like a damaged page, so that the next record of these tokens
             # writes it again under the secret (a store that just got one heals as it is used)
             if parts.rw_ok:
                 self.tree.quarantine(key, "unauthenticated", corrupt=False)
-            return None
-        try:
-            page = decode(payload, meta.n_tokens)
-        except UnknownCodecError:
+        elif reason == "unknown_codec":
             parts.counters.add("unknown_codec")  # another version's data: a miss, kept
-            return None
-        except StateFormatError:
-            self._bad(key, "undecodable")
-            return None
-        return page, meta
+        elif reason == "untrusted_payload":
+            assert parts.store is not None
+            parts.store.refuse(DATA + key)
+            self._bad(key, "untrusted_row")
+        else:
+            self._bad(key, reason)
 
     def read(self, keys: Sequence[bytes]) -> ReadResult:
         """Pages of the longest prefix of ``keys`` that exists and verifies; never raises for
@@ -139,16 +176,29 @@ class Reader:
         pages: list[bytes] = []
         metas: list[PageMeta] = []
         with self.pins.local(keys):
+            located: list[_Located] = []
             for key in keys:
                 try:
-                    found = self._page(key)
+                    found = self._locate(key)
                 except Exception as exc:  # transient I/O, locks; a bug is logged as one
                     self.parts.health.fault(exc, "read")
                     break
                 if found is None:
                     break
-                pages.append(found[0])
-                metas.append(found[1])
+                located.append(found)
+            parallel = sum(page.meta.size for page in located) >= PARALLEL_BYTES
+            with contextlib.closing(ordered(self._load, located, parallel=parallel)) as loads:
+                for page in located:
+                    try:
+                        outcome = next(loads)
+                    except Exception as exc:
+                        self.parts.health.fault(exc, "read")
+                        break
+                    if isinstance(outcome, str):
+                        self._failed(page.key, outcome)
+                        break
+                    pages.append(outcome)
+                    metas.append(page.meta)
         if pages:
             self.touches.note(keys[: len(pages)], time.time())
         return ReadResult(pages, metas)

@@ -24,6 +24,7 @@ import os
 import re
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, Protocol
 
@@ -75,6 +76,25 @@ def read_value(directory: str, mode: int, filename: str | None, value: Any, read
         if exc.errno == errno.ENOENT:
             raise  # really gone: absent
         raise TransientReadError(f"reading a stored value failed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    """Where a stored value lies, from its database row: read it with :meth:`read`, on any
+    thread (no SQLite involved), so many pages can be read at once."""
+
+    directory: str
+    mode: int
+    filename: str | None
+    value: Any
+
+    def read(self) -> bytes | None:
+        """The value; None when its file is gone (see :func:`read_value` for what raises)."""
+        try:
+            data = read_value(self.directory, self.mode, self.filename, self.value, False)
+        except FileNotFoundError:
+            return None
+        return data if isinstance(data, bytes) else None
 
 
 class UntrustedKey:
@@ -147,6 +167,10 @@ class StoreReader(Protocol):
 
     def get(self, key: bytes) -> bytes | None: ...
 
+    def row(self, key: bytes) -> StoredRow | None: ...
+
+    def refuse(self, key: bytes) -> None: ...
+
     def size_of(self, key: bytes) -> int | None: ...
 
     def contains(self, key: bytes) -> bool: ...
@@ -201,6 +225,23 @@ class _Rows:
                 continue
             if isinstance(data, bytes):
                 yield bytes(key), data
+
+    def _row(self, key: bytes) -> tuple[int, str | None, Any] | None:
+        row = self._execute(
+            "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1",
+            (sqlite3.Binary(key),),
+        ).fetchone()
+        return None if row is None else (int(row[0]), row[1], row[2])
+
+    def row(self, key: bytes) -> StoredRow | None:
+        """Where ``key``'s value lies (one query on this thread's connection), None when
+        absent. L3 never sets an expiry, so the row alone decides presence, as in ``get``."""
+        found = self._row(key)
+        return None if found is None else StoredRow(str(self.directory), *found)
+
+    def refuse(self, key: bytes) -> None:
+        """Count a row whose value turned out not to be L3's (see :meth:`StoredRow.read`)."""
+        self.untrusted_rows += 1
 
     def count(self, kind: bytes) -> int:
         lo, hi = kind_range(kind)
@@ -301,6 +342,11 @@ class DiskStore(_Rows):
     def delete(self, key: bytes) -> bool:
         return bool(self._cache.delete(key))
 
+    def refuse(self, key: bytes) -> None:
+        """Count a row that is not L3's and drop it from the database (its file is left alone)."""
+        self.drop_row(key)
+        self.untrusted_rows += 1
+
     def drop_row(self, key: bytes) -> None:
         """Delete a row from the database only: its file name is not trusted, so not followed."""
         self._execute("DELETE FROM Cache WHERE key = ?", (sqlite3.Binary(key),))
@@ -355,13 +401,6 @@ class ReadOnlyStore(_Rows):
 
     def _execute(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
         return self._con.execute(sql, args)
-
-    def _row(self, key: bytes) -> tuple[int, str | None, Any] | None:
-        row = self._execute(
-            "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1",
-            (sqlite3.Binary(key),),
-        ).fetchone()
-        return None if row is None else (int(row[0]), row[1], row[2])
 
     def _fetch(self, key: bytes, read: bool) -> Any:
         row = self._row(key)
