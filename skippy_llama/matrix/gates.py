@@ -70,9 +70,15 @@ def summarize(
             if stored and cell.workload == "restart"
             else None
         ),
-        "write_amp": (wa is not None and wa <= WRITE_AMP_MAX) if stored else None,
+        # a cell that stored nothing (every prompt shorter than one GPU reuse granule) has no
+        # write amplification and nothing to prune: not applicable, rather than a failure
+        "write_amp": None if wa is None else wa <= WRITE_AMP_MAX,
         "low_space": bool(low_space["pass"]) if stored and low_space else None,
-        "prune_clear": bool(cell.emptied["pass"]) if stored and cell.emptied else None,
+        "prune_clear": (
+            bool(cell.emptied["pass"])
+            if stored and cell.emptied and cell.emptied.get("pages_before") != 0
+            else None
+        ),
         "decode_p99": None if slowdown is None else slowdown <= DECODE_P99_MAX,
     }
     return {

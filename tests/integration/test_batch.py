@@ -81,7 +81,9 @@ def test_prefix_order_runs_each_document_together_and_keep_order_agrees(
     else:
         assert summary["cached_tokens"] > keep_summary["cached_tokens"]
     assert summary["run"] == summary["items"] == len(_items()) and summary["errors"] == 0
-    assert summary["reused_share"] > 0.5
+    # two of each document's three questions reuse it: over half of all prompt tokens, or,
+    # cut back to whole 64-token granules on GPU builds, still over a third
+    assert summary["reused_share"] > (0.35 if llama_cpp.llama_supports_gpu_offload() else 0.5)
     assert summary["est_cold_s"] is None or summary["est_cold_s"] > summary["elapsed_s"]
 
 

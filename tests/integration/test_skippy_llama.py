@@ -197,15 +197,23 @@ def test_generate_and_eval_use_the_cache(smollm2_path: Path) -> None:
         want = [next(plain_gen) for _ in range(5)]
         plain_gen.close()
         llm.reset()
+        skipped = llm.prefix_cache.counters.restores_skipped
         llm.eval(tokens[:-3])
         eval_event = llm.last_cache_event
+        # where a checkpoint restore measured dearer than the prefill it saves (a GPU build,
+        # where every state call costs ~60 ms), the cost model serves the prompt cold instead
+        skipped = llm.prefix_cache.counters.restores_skipped - skipped
     finally:
         llm.close()
         plain.close()
     assert got == want
     assert event is not None and event.tier == "l1"
     assert event.cached_tokens >= aligned(llm, len(tokens) - 2)
-    assert eval_event is not None and eval_event.cached_tokens == aligned(llm, len(tokens) - 5)
+    assert eval_event is not None
+    if skipped:
+        assert eval_event.tier == "cold" and eval_event.cached_tokens == 0
+    else:
+        assert eval_event.cached_tokens == aligned(llm, len(tokens) - 5)
 
 
 def test_disabled_l1_is_plain_llama(smollm2_path: Path) -> None:

@@ -100,6 +100,11 @@ def test_gates_of_a_good_and_a_bad_cell() -> None:
     assert [g for g, v in l1["gates"].items() if v is None] == [
         "l3_onoff", "restart", "write_amp", "low_space", "prune_clear"
     ]  # fmt: skip
+    nothing = _cell("l3", ["x", "y"])
+    nothing.emptied = {"pass": False, "pages_before": 0, "pages_after": 0}
+    none_stored = gates.summarize(nothing, ["x", "y"], {"pass": True})
+    assert none_stored["gates"]["write_amp"] is None
+    assert none_stored["gates"]["prune_clear"] is None
     totals = gates.overall([good, bad, l1])
     assert totals["exact"] == {"pass": 2, "fail": 1, "n/a": 0}
 
