@@ -20,7 +20,7 @@ import openai
 import pytest
 from modelhelpers import TEXT
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import THREADS, ServerProcess
+from serverproc import THREADS, ServerProcess, free_port
 
 from skippy_llama.config import load_settings
 from skippy_llama.runtime.llama import SkippyLlama
@@ -329,3 +329,43 @@ def test_shutdown_flushes_l3_and_a_restart_restores_from_it(
     assert warm.choices[0].text == cold.choices[0].text
     assert warm.usage.prompt_tokens_details.cached_tokens > 100
     assert recent[-1]["tier"] == "l3"
+
+
+def test_serve_a_package_uses_its_kv_dtype_and_equals_direct_calls(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    import llama_cpp
+    from test_package_cli import SMOL_CONFIG
+    from test_package_runtime import _package
+
+    pkg = _package(tmp_path, smollm2_path, {**SMOL_CONFIG, "kv_cache_dtype": "int8"})
+    port = free_port()
+    argv = [sys.executable, "-m", "skippy_llama.cli.main", "serve", "--package", str(pkg),
+            "--port", str(port), "--threads", str(THREADS), "--log-level", "warning"]  # fmt: skip
+    server = ServerProcess(argv, port, tmp_path / "serve.log").wait_ready()
+    try:
+        status = _get(server, "/v1/kv-cache/status")
+        messages = [{"role": "user", "content": "Name three colors."}]
+        got = _client(server).chat.completions.create(
+            model="m", messages=messages, max_tokens=12, temperature=0
+        )
+        models = [m.id for m in _client(server).models.list().data]
+    finally:
+        server.stop()
+    assert status["kv_dtype"]["rule"] == "publisher_kv_declaration"
+    assert (status["kv_dtype"]["type_k"], status["kv_dtype"]["type_v"]) == ("Q8_0", "Q8_0")
+    assert len(models) == 1
+    direct = SkippyLlama.from_package(
+        pkg,
+        cache_settings=load_settings().settings,
+        n_ctx=4096,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        seed=llama_cpp.LLAMA_DEFAULT_SEED,
+        verbose=False,
+    )
+    try:
+        want = _direct_chat(direct, messages=messages, max_tokens=12, temperature=0)
+    finally:
+        direct.close()
+    assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
