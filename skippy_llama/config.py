@@ -74,6 +74,7 @@ _EXAMPLES = {
     "l3.directory": "'/var/cache/skippy-llama'",
     "l3.minimum_free": "'16GiB'",
     "l3.writer_queue": "64",
+    "l3.writer_nice": "10 (0 to 19)",
     "l3.policy": "'reuse' (default), 'lru' or 'shipped'",
     "l3.trace_file": "'/tmp/skippy-trace.jsonl'",
     "l3.secret_file": "'/etc/skippy-llama/l3.key' (created with `head -c 32 /dev/urandom`)",
@@ -147,6 +148,16 @@ class L3Settings(BaseModel):
     )
     minimum_free: Size = 16 * GiB
     writer_queue: int = Field(64, ge=1, le=4096, description="pending background writes")
+    writer_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description=(
+            "how far below the decode threads the writer thread runs (Linux thread nice; "
+            "0: the same priority): compression and disk writes then take only CPU time the "
+            "decode leaves idle"
+        ),
+    )
     shared_group: bool = Field(
         False,
         description="accept a store directory its group may write (everyone in it is trusted)",

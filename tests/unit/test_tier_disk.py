@@ -695,3 +695,27 @@ def test_an_operator_walk_and_the_background_walk_share_one_progress(open_tier: 
         assert result.ran and result.quarantined == 0 and result.manifests_removed == 0
     assert len(again.read(keys_of(rec))) == 700
     # the fixture asserts no internal error was counted in either tier
+
+
+def test_the_writer_thread_runs_below_the_callers_priority(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    from skippy_llama.tiers.l3.writer import lower_thread_priority
+
+    seen: dict[str, Any] = {}
+
+    def probe(nice: int) -> None:
+        before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen[f"lowered{nice}"] = lower_thread_priority(nice)
+        seen[f"delta{nice}"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - before
+
+    for nice in (0, 5):
+        thread = threading.Thread(target=probe, args=(nice,))
+        thread.start()
+        thread.join()
+    assert seen["lowered0"] is False and seen["delta0"] == 0
+    process = os.getpriority(os.PRIO_PROCESS, 0)
+    if sys.platform.startswith("linux") and process <= 14:
+        assert seen["lowered5"] is True and seen["delta5"] == 5
+    assert os.getpriority(os.PRIO_PROCESS, 0) == process  # the caller's threads are untouched

@@ -13,7 +13,9 @@ any other kind is a bug and is logged as an error (``health.fault`` tells them a
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -30,6 +32,24 @@ IDLE_POLL_S = 0.25
 #: The pause between two batches of a housekeeping job that has more to do (a reconciliation
 #: walk): short, so a 50k-page walk ends in seconds, but a pause, so queued records go first.
 BUSY_POLL_S = 0.005
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Lower the calling thread's scheduling priority by ``nice``; True when it was lowered.
+
+    The writer compresses and writes while the caller's next request decodes: on a machine with
+    few cores, at the same priority it takes CPU time from llama.cpp's threads. Linux schedules
+    threads separately (``setpriority`` on a thread id touches that thread only); elsewhere
+    this does nothing rather than renice the whole process.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        return False
+    return True
 
 
 class Writer:
@@ -115,6 +135,7 @@ class Writer:
                 self._thread.start()
 
     def _loop(self) -> None:
+        lower_thread_priority(self.parts.settings.writer_nice)
         busy = False
         while not self._stop.is_set():
             try:
