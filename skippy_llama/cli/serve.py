@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
+from ..config import LoadedSettings
 from ..errors import ConfigError
 from ..models import resolve_model_path
 from .options import (
@@ -72,6 +74,26 @@ def register(sub: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
+#: Resident prefixes a server keeps unless told otherwise: one per conversation it serves in
+#: turn (the library's default of 4 makes an interleaved fifth user evict the first, measured
+#: in benchmarks/README.md "Serving"). ``l1.budget_tokens`` still bounds their memory.
+SERVE_L1_PREFIXES = 16
+
+
+def serving_defaults(loaded: LoadedSettings) -> LoadedSettings:
+    """The settings a server runs with: ``l1.max_prefixes`` is :data:`SERVE_L1_PREFIXES` where
+    no flag, variable or file set it."""
+    if loaded.sources.get("l1.max_prefixes", "default") != "default":
+        return loaded
+    settings = loaded.settings
+    l1 = settings.l1.model_copy(update={"max_prefixes": SERVE_L1_PREFIXES})
+    return dataclasses.replace(
+        loaded,
+        settings=settings.model_copy(update={"l1": l1}),
+        sources={**loaded.sources, "l1.max_prefixes": "serve default"},
+    )
+
+
 def handle(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
@@ -79,7 +101,7 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n-ctx {args.n_ctx} is too small; give at least 16 tokens")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is blank; give a key or leave the flag out")
-    loaded = settings_from_args(args)
+    loaded = serving_defaults(settings_from_args(args))
     resolution, package = kv_dtype_from_args(args)
     if package is not None and args.model:
         raise ConfigError("give --model or --package, not both")

@@ -22,6 +22,7 @@ from modelhelpers import TEXT
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import THREADS, ServerProcess, free_port
 
+from skippy_llama.cli.serve import SERVE_L1_PREFIXES
 from skippy_llama.config import load_settings
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.server.routes import _NOT_MODEL_ARGS, ChatBody, CompletionBody
@@ -236,7 +237,11 @@ def test_kv_cache_status_is_the_cli_status_plus_l1_l2(server: ServerProcess, l3_
     )  # fmt: skip
     want = json.loads(cli.stdout)
     assert set(want) <= set(status)
-    assert status["configured"] == want["configured"]
+    # the same settings, but for the server's own default of resident prefixes
+    served = want["configured"] | {
+        "l1.max_prefixes": {"value": SERVE_L1_PREFIXES, "source": "serve default"}
+    }
+    assert status["configured"] == served
     assert status["effective"]["state"] == "active"
     assert status["effective"]["directory"] == want["effective"]["directory"]
     assert status["l1"]["enabled"] and status["l1"]["prefixes"] >= 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from skippy_llama.cli.options import add_settings_arguments, settings_from_args
-from skippy_llama.config import GiB, load_settings
+from skippy_llama.config import GiB, Settings, load_settings
 from skippy_llama.errors import ConfigError
 
 
@@ -179,3 +179,19 @@ def test_l3_budget_below_floor_policy_and_trace_file() -> None:
     traced = load_settings({"l3": {"policy": "lru", "trace_file": "/tmp/t.jsonl"}})
     assert str(traced.settings.l3.trace_file) == "/tmp/t.jsonl"
     assert traced.sources["l3.policy"] == "cli"
+
+
+def test_serve_keeps_a_resident_prefix_per_conversation_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from skippy_llama.cli.serve import SERVE_L1_PREFIXES, serving_defaults
+
+    monkeypatch.delenv("SKIPPY_L1__MAX_PREFIXES", raising=False)
+    served = serving_defaults(load_settings())
+    assert served.settings.l1.max_prefixes == SERVE_L1_PREFIXES > Settings().l1.max_prefixes
+    assert served.sources["l1.max_prefixes"] == "serve default"
+    assert served.settings.l1.budget_tokens is None  # memory stays bounded by n_ctx tokens
+    monkeypatch.setenv("SKIPPY_L1__MAX_PREFIXES", "3")
+    assert serving_defaults(load_settings()).settings.l1.max_prefixes == 3
+    cli = serving_defaults(load_settings({"l1": {"max_prefixes": 5}}))
+    assert cli.settings.l1.max_prefixes == 5
