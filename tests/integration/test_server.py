@@ -78,19 +78,23 @@ def server(
 @pytest.fixture(scope="module")
 def direct(smollm2_path: Path) -> Iterator[SkippyLlama]:
     """The same model called in-process, with the server's model settings (L1 only)."""
-    import llama_cpp
-
-    llm = SkippyLlama(
-        str(smollm2_path),
-        cache_settings=load_settings().settings,
-        n_ctx=4096,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        seed=llama_cpp.LLAMA_DEFAULT_SEED,
-        verbose=False,
-    )
+    llm = SkippyLlama(str(smollm2_path), **_server_model_kwargs())
     yield llm
     llm.close()
+
+
+def _server_model_kwargs() -> dict[str, Any]:
+    """What the served model is built with (beyond its path), for in-process comparisons."""
+    import llama_cpp
+
+    return {
+        "cache_settings": load_settings().settings,
+        "n_ctx": 4096,
+        "n_threads": THREADS,
+        "n_threads_batch": THREADS,
+        "seed": llama_cpp.LLAMA_DEFAULT_SEED,
+        "verbose": False,
+    }
 
 
 def _direct_completion(llm: SkippyLlama, **request: Any) -> Any:
@@ -339,7 +343,6 @@ def test_shutdown_flushes_l3_and_a_restart_restores_from_it(
 def test_serve_a_package_uses_its_kv_dtype_and_equals_direct_calls(
     smollm2_path: Path, tmp_path: Path
 ) -> None:
-    import llama_cpp
     from test_package_cli import SMOL_CONFIG
     from test_package_runtime import _package
 
@@ -360,15 +363,7 @@ def test_serve_a_package_uses_its_kv_dtype_and_equals_direct_calls(
     assert status["kv_dtype"]["rule"] == "publisher_kv_declaration"
     assert (status["kv_dtype"]["type_k"], status["kv_dtype"]["type_v"]) == ("Q8_0", "Q8_0")
     assert len(models) == 1
-    direct = SkippyLlama.from_package(
-        pkg,
-        cache_settings=load_settings().settings,
-        n_ctx=4096,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        seed=llama_cpp.LLAMA_DEFAULT_SEED,
-        verbose=False,
-    )
+    direct = SkippyLlama.from_package(pkg, **_server_model_kwargs())
     try:
         want = _direct_chat(direct, messages=messages, max_tokens=12, temperature=0)
     finally:
