@@ -7,11 +7,14 @@ trace.
 
 Part 2 (real model, unless ``--no-model``): each workload's prompts (random token ids of the same
 shapes, smaller) run through ``SkippyLlama`` with L1 off and L3 alone at ``--budget`` (default the
-64MiB floor), with the trace on. The live store runs the policy it has on this commit; the trace
-is then replayed under every policy at the same budget. Live TTFT and cached tokens are measured;
-the replayed figures use the prefill and restore rates the run measured.
+64MiB floor), with the trace on. The live store runs ``l3.policy`` = the first of
+``--live-policies`` (default ``reuse``) on every workload, and each further one on the workloads
+of ``--compare-on`` (live TTFT per policy); each trace is then replayed under every policy at the
+same budget. Live TTFT and cached tokens are measured; the replayed figures use the prefill and
+restore rates the run measured.
 
-    .venv/bin/python benchmarks/bench_policies.py --out benchmarks/results/policies.json
+    .venv/bin/python benchmarks/bench_policies.py --out benchmarks/results/policies.json \
+        --live-policies reuse,lru --compare-on skewed
 """
 
 from __future__ import annotations
@@ -73,13 +76,23 @@ def bench_synthetic() -> list[dict[str, Any]]:
     return out
 
 
-def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str, Any]]:
+def bench_real(
+    model: str,
+    budget: int,
+    n_threads: int | None,
+    live_policies: list[str],
+    compare_on: list[str],
+) -> list[dict[str, Any]]:
+    """Every workload with the live store on ``live_policies[0]``; the workloads in
+    ``compare_on`` also under each further live policy (a run takes minutes per policy)."""
     from skippy_llama.config import Settings
     from skippy_llama.runtime.llama import SkippyLlama
     from skippy_llama.sizes import format_size
 
     out = []
-    for workload in synthetic.WORKLOADS:
+    runs = [(w, live_policies[0]) for w in synthetic.WORKLOADS]
+    runs += [(w, p) for w in compare_on for p in live_policies[1:]]
+    for workload, live_policy in runs:
         prompts = synthetic.prompts(workload, REAL_SHAPE, seed=0)
         with tempfile.TemporaryDirectory(prefix="skippy-policies-") as scratch:
             trace_path = Path(scratch) / "trace.jsonl"
@@ -91,6 +104,7 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
                     "directory": str(Path(scratch) / "l3"),
                     "minimum_free": "1GiB",
                     "trace_file": str(trace_path),
+                    "policy": live_policy,
                 },
             )
             llm = SkippyLlama(
@@ -122,6 +136,7 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
         out.append(
             {
                 "workload": workload,
+                "live_policy": live_policy,
                 "budget": budget,
                 "requests": len(prompts),
                 "live": {
@@ -135,7 +150,10 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
                 "replay": replay_all(events, budget),
             }
         )
-        print(f"real {workload}: {len(prompts)} requests, {wall:.0f}s", file=sys.stderr)
+        print(
+            f"real {workload} (live {live_policy}): {len(prompts)} requests, {wall:.0f}s",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -178,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M)")
     parser.add_argument("--budget", default="64MiB", help="L3 budget of the real-model runs")
     parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument(
+        "--live-policies",
+        default="reuse",
+        help="l3.policy of the live store, comma-separated: the first on every workload",
+    )
+    parser.add_argument(
+        "--compare-on",
+        default="skewed",
+        help="workloads also run live under the further --live-policies (comma-separated)",
+    )
     args = parser.parse_args(argv)
     from skippy_llama.sizes import parse_size
 
@@ -203,11 +231,18 @@ def main(argv: list[str] | None = None) -> int:
 
         model = args.model or str(default_model_path())
         report["real_shape"] = REAL_SHAPE.__dict__
-        report["real"] = bench_real(model, parse_size(args.budget), args.n_threads)
+        report["real"] = bench_real(
+            model,
+            parse_size(args.budget),
+            args.n_threads,
+            args.live_policies.split(","),
+            [w for w in args.compare_on.split(",") if w],
+        )
         for w in report["real"]:
             live = w["live"]
             print(
-                f"real {w['workload']:>8}: live TTFT sum {live['ttft_sum_s']:.1f}s, cached "
+                f"real {w['workload']:>8} (live {w['live_policy']}): "
+                f"TTFT sum {live['ttft_sum_s']:.1f}s, cached "
                 f"{live['cached_tokens']}/{live['prompt_tokens']} tokens"
             )
             for r in w["replay"]:
