@@ -65,10 +65,10 @@ def replay_all(events: list[Any], budget: int) -> list[dict[str, Any]]:
     return [row(r, lru, best) for r in results.values()]
 
 
-def bench_synthetic() -> list[dict[str, Any]]:
+def bench_synthetic(seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
     out = []
     for workload in synthetic.WORKLOADS:
-        for seed in SEEDS:
+        for seed in seeds:
             events = synthetic.workload_events(workload, seed=seed)
             for budget in BUDGETS:
                 for r in replay_all(events, budget):
@@ -167,26 +167,43 @@ def git_commit() -> str | None:
 
 
 def summary(synth: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per workload, budget and policy: the min and mean over seeds of x_lru and x_optimal."""
+    """Per workload, budget and policy: the min and mean over seeds of x_lru and x_optimal, and
+    the pooled ratios (saved seconds summed over seeds, over LRU's or the optimum's sum)."""
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    by_run: dict[tuple[str, int, int, str], float] = {}
     for r in synth:
         groups.setdefault((r["workload"], r["budget"], r["policy"]), []).append(r)
+        by_run[(r["workload"], r["seed"], r["budget"], r["policy"])] = r["saved_s"]
     out = []
     for (workload, budget, policy), rows in groups.items():
         xl = [r["x_lru"] for r in rows if r["x_lru"] is not None]
         xo = [r["x_optimal"] for r in rows if r["x_optimal"] is not None]
+        saved = sum(r["saved_s"] for r in rows)
+        lru = sum(by_run[(workload, r["seed"], budget, "lru")] for r in rows)
+        best = sum(by_run[(workload, r["seed"], budget, "optimal")] for r in rows)
         out.append(
             {
                 "workload": workload,
                 "budget_mib": budget // MiB,
                 "policy": policy,
-                "saved_s_mean": sum(r["saved_s"] for r in rows) / len(rows),
+                "saved_s_mean": saved / len(rows),
                 "x_lru_min": min(xl) if xl else None,
+                "x_lru_pooled": saved / lru if lru else None,
                 "x_optimal_min": min(xo) if xo else None,
                 "x_optimal_mean": sum(xo) / len(xo) if xo else None,
+                "x_optimal_pooled": saved / best if best else None,
             }
         )
     return out
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``0,1,2`` or ``3-22`` (inclusive) or a mix."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        seeds += range(int(low), int(high or low) + 1)
+    return tuple(seeds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M)")
     parser.add_argument("--budget", default="64MiB", help="L3 budget of the real-model runs")
     parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="synthetic trace seeds, e.g. 0,1,2 or 3-22"
+    )
     parser.add_argument(
         "--live-policies",
         default="reuse",
@@ -209,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from skippy_llama.sizes import parse_size
 
-    synth = bench_synthetic()
+    synth = bench_synthetic(parse_seeds(args.seeds))
     report: dict[str, Any] = {
         "command": " ".join([".venv/bin/python", "benchmarks/bench_policies.py", *sys.argv[1:]]),
         "git_commit": git_commit(),
+        "seeds": list(parse_seeds(args.seeds)),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "synthetic_shape": synthetic.Shape().__dict__,
         "synthetic_summary": summary(synth),
@@ -221,10 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     for s in report["synthetic_summary"]:
         if s["policy"] != "optimal":
             xl = "-" if s["x_lru_min"] is None else f"{s['x_lru_min']:.2f}"
+            xp = "-" if s["x_lru_pooled"] is None else f"{s['x_lru_pooled']:.2f}"
             xo = "-" if s["x_optimal_mean"] is None else f"{s['x_optimal_mean']:.2f}"
+            xw = "-" if s["x_optimal_min"] is None else f"{s['x_optimal_min']:.2f}"
             print(
                 f"{s['workload']:>8} {s['budget_mib']:>4}MiB {s['policy']:>8} "
-                f"saved {s['saved_s_mean']:8.1f}s  x lru (min) {xl:>5}  x opt (mean) {xo:>5}"
+                f"saved {s['saved_s_mean']:8.1f}s  x lru (min {xl:>5}, pooled {xp:>5})  "
+                f"x opt (mean {xo:>5}, min {xw:>5})"
             )
     if not args.no_model:
         from skippy_llama.models import default_model_path
