@@ -82,6 +82,7 @@ def bench_real(
     n_threads: int | None,
     live_policies: list[str],
     compare_on: list[str],
+    workloads: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every workload with the live store on ``live_policies[0]``; the workloads in
     ``compare_on`` also under each further live policy (a run takes minutes per policy)."""
@@ -90,7 +91,7 @@ def bench_real(
     from skippy_llama.sizes import format_size
 
     out = []
-    runs = [(w, live_policies[0]) for w in synthetic.WORKLOADS]
+    runs = [(w, live_policies[0]) for w in workloads or synthetic.WORKLOADS]
     runs += [(w, p) for w in compare_on for p in live_policies[1:]]
     for workload, live_policy in runs:
         prompts = synthetic.prompts(workload, REAL_SHAPE, seed=0)
@@ -214,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="64MiB", help="L3 budget of the real-model runs")
     parser.add_argument("--n-threads", type=int, default=None)
     parser.add_argument(
+        "--workloads",
+        default=",".join(synthetic.WORKLOADS),
+        help="real-model workloads, comma-separated (default: all four)",
+    )
+    parser.add_argument(
         "--seeds", default="0,1,2", help="synthetic trace seeds, e.g. 0,1,2 or 3-22"
     )
     parser.add_argument(
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             args.n_threads,
             args.live_policies.split(","),
             [w for w in args.compare_on.split(",") if w],
+            [w for w in args.workloads.split(",") if w],
         )
         for w in report["real"]:
             live = w["live"]
