@@ -7,11 +7,14 @@ trace.
 
 Part 2 (real model, unless ``--no-model``): each workload's prompts (random token ids of the same
 shapes, smaller) run through ``SkippyLlama`` with L1 off and L3 alone at ``--budget`` (default the
-64MiB floor), with the trace on. The live store runs the policy it has on this commit; the trace
-is then replayed under every policy at the same budget. Live TTFT and cached tokens are measured;
-the replayed figures use the prefill and restore rates the run measured.
+64MiB floor), with the trace on. The live store runs ``l3.policy`` = the first of
+``--live-policies`` (default ``reuse``) on every workload, and each further one on the workloads
+of ``--compare-on`` (live TTFT per policy); each trace is then replayed under every policy at the
+same budget. Live TTFT and cached tokens are measured; the replayed figures use the prefill and
+restore rates the run measured.
 
-    .venv/bin/python benchmarks/bench_policies.py --out benchmarks/results/policies.json
+    .venv/bin/python benchmarks/bench_policies.py --out benchmarks/results/policies.json \
+        --live-policies reuse,lru --compare-on skewed
 """
 
 from __future__ import annotations
@@ -62,10 +65,10 @@ def replay_all(events: list[Any], budget: int) -> list[dict[str, Any]]:
     return [row(r, lru, best) for r in results.values()]
 
 
-def bench_synthetic() -> list[dict[str, Any]]:
+def bench_synthetic(seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
     out = []
     for workload in synthetic.WORKLOADS:
-        for seed in SEEDS:
+        for seed in seeds:
             events = synthetic.workload_events(workload, seed=seed)
             for budget in BUDGETS:
                 for r in replay_all(events, budget):
@@ -73,13 +76,24 @@ def bench_synthetic() -> list[dict[str, Any]]:
     return out
 
 
-def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str, Any]]:
+def bench_real(
+    model: str,
+    budget: int,
+    n_threads: int | None,
+    live_policies: list[str],
+    compare_on: list[str],
+    workloads: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Every workload with the live store on ``live_policies[0]``; the workloads in
+    ``compare_on`` also under each further live policy (a run takes minutes per policy)."""
     from skippy_llama.config import Settings
     from skippy_llama.runtime.llama import SkippyLlama
     from skippy_llama.sizes import format_size
 
     out = []
-    for workload in synthetic.WORKLOADS:
+    runs = [(w, live_policies[0]) for w in workloads or synthetic.WORKLOADS]
+    runs += [(w, p) for w in compare_on for p in live_policies[1:]]
+    for workload, live_policy in runs:
         prompts = synthetic.prompts(workload, REAL_SHAPE, seed=0)
         with tempfile.TemporaryDirectory(prefix="skippy-policies-") as scratch:
             trace_path = Path(scratch) / "trace.jsonl"
@@ -91,6 +105,7 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
                     "directory": str(Path(scratch) / "l3"),
                     "minimum_free": "1GiB",
                     "trace_file": str(trace_path),
+                    "policy": live_policy,
                 },
             )
             llm = SkippyLlama(
@@ -122,6 +137,7 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
         out.append(
             {
                 "workload": workload,
+                "live_policy": live_policy,
                 "budget": budget,
                 "requests": len(prompts),
                 "live": {
@@ -135,7 +151,10 @@ def bench_real(model: str, budget: int, n_threads: int | None) -> list[dict[str,
                 "replay": replay_all(events, budget),
             }
         )
-        print(f"real {workload}: {len(prompts)} requests, {wall:.0f}s", file=sys.stderr)
+        print(
+            f"real {workload} (live {live_policy}): {len(prompts)} requests, {wall:.0f}s",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -149,26 +168,43 @@ def git_commit() -> str | None:
 
 
 def summary(synth: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per workload, budget and policy: the min and mean over seeds of x_lru and x_optimal."""
+    """Per workload, budget and policy: the min and mean over seeds of x_lru and x_optimal, and
+    the pooled ratios (saved seconds summed over seeds, over LRU's or the optimum's sum)."""
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    by_run: dict[tuple[str, int, int, str], float] = {}
     for r in synth:
         groups.setdefault((r["workload"], r["budget"], r["policy"]), []).append(r)
+        by_run[(r["workload"], r["seed"], r["budget"], r["policy"])] = r["saved_s"]
     out = []
     for (workload, budget, policy), rows in groups.items():
         xl = [r["x_lru"] for r in rows if r["x_lru"] is not None]
         xo = [r["x_optimal"] for r in rows if r["x_optimal"] is not None]
+        saved = sum(r["saved_s"] for r in rows)
+        lru = sum(by_run[(workload, r["seed"], budget, "lru")] for r in rows)
+        best = sum(by_run[(workload, r["seed"], budget, "optimal")] for r in rows)
         out.append(
             {
                 "workload": workload,
                 "budget_mib": budget // MiB,
                 "policy": policy,
-                "saved_s_mean": sum(r["saved_s"] for r in rows) / len(rows),
+                "saved_s_mean": saved / len(rows),
                 "x_lru_min": min(xl) if xl else None,
+                "x_lru_pooled": saved / lru if lru else None,
                 "x_optimal_min": min(xo) if xo else None,
                 "x_optimal_mean": sum(xo) / len(xo) if xo else None,
+                "x_optimal_pooled": saved / best if best else None,
             }
         )
     return out
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``0,1,2`` or ``3-22`` (inclusive) or a mix."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        seeds += range(int(low), int(high or low) + 1)
+    return tuple(seeds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,13 +214,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M)")
     parser.add_argument("--budget", default="64MiB", help="L3 budget of the real-model runs")
     parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument(
+        "--workloads",
+        default=",".join(synthetic.WORKLOADS),
+        help="real-model workloads, comma-separated (default: all four)",
+    )
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="synthetic trace seeds, e.g. 0,1,2 or 3-22"
+    )
+    parser.add_argument(
+        "--live-policies",
+        default="reuse",
+        help="l3.policy of the live store, comma-separated: the first on every workload",
+    )
+    parser.add_argument(
+        "--compare-on",
+        default="skewed",
+        help="workloads also run live under the further --live-policies (comma-separated)",
+    )
     args = parser.parse_args(argv)
     from skippy_llama.sizes import parse_size
 
-    synth = bench_synthetic()
+    synth = bench_synthetic(parse_seeds(args.seeds))
     report: dict[str, Any] = {
         "command": " ".join([".venv/bin/python", "benchmarks/bench_policies.py", *sys.argv[1:]]),
         "git_commit": git_commit(),
+        "seeds": list(parse_seeds(args.seeds)),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "synthetic_shape": synthetic.Shape().__dict__,
         "synthetic_summary": summary(synth),
@@ -193,21 +248,32 @@ def main(argv: list[str] | None = None) -> int:
     for s in report["synthetic_summary"]:
         if s["policy"] != "optimal":
             xl = "-" if s["x_lru_min"] is None else f"{s['x_lru_min']:.2f}"
+            xp = "-" if s["x_lru_pooled"] is None else f"{s['x_lru_pooled']:.2f}"
             xo = "-" if s["x_optimal_mean"] is None else f"{s['x_optimal_mean']:.2f}"
+            xw = "-" if s["x_optimal_min"] is None else f"{s['x_optimal_min']:.2f}"
             print(
                 f"{s['workload']:>8} {s['budget_mib']:>4}MiB {s['policy']:>8} "
-                f"saved {s['saved_s_mean']:8.1f}s  x lru (min) {xl:>5}  x opt (mean) {xo:>5}"
+                f"saved {s['saved_s_mean']:8.1f}s  x lru (min {xl:>5}, pooled {xp:>5})  "
+                f"x opt (mean {xo:>5}, min {xw:>5})"
             )
     if not args.no_model:
         from skippy_llama.models import default_model_path
 
         model = args.model or str(default_model_path())
         report["real_shape"] = REAL_SHAPE.__dict__
-        report["real"] = bench_real(model, parse_size(args.budget), args.n_threads)
+        report["real"] = bench_real(
+            model,
+            parse_size(args.budget),
+            args.n_threads,
+            args.live_policies.split(","),
+            [w for w in args.compare_on.split(",") if w],
+            [w for w in args.workloads.split(",") if w],
+        )
         for w in report["real"]:
             live = w["live"]
             print(
-                f"real {w['workload']:>8}: live TTFT sum {live['ttft_sum_s']:.1f}s, cached "
+                f"real {w['workload']:>8} (live {w['live_policy']}): "
+                f"TTFT sum {live['ttft_sum_s']:.1f}s, cached "
                 f"{live['cached_tokens']}/{live['prompt_tokens']} tokens"
             )
             for r in w["replay"]:

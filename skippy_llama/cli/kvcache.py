@@ -223,7 +223,7 @@ def format_status(report: dict[str, Any]) -> str:
             f"fallback {act['admission_fallback']}, promoted {act['promotions']}",
             f"  trust: unauthenticated {act['unauthenticated']}, untrusted rows "
             f"{act['untrusted_rows']}, damaged manifests {act['damaged_manifests']}, "
-            f"internal errors {act['internal_errors']}",
+            f"damaged costs {act['damaged_costs']}, internal errors {act['internal_errors']}",
         ]
         rec = report["reconciliation"]
         if rec["ran"]:

@@ -252,7 +252,9 @@ class SkippyLlama(llama_cpp.Llama):
             # a GPU prefill outruns single-page decompression: store pages as they are there
             codec = "zstd" if native.backend_name() == "CPU" else "none"
             l3 = l3.model_copy(update={"compression": codec})
-        disk = DiskTier(l3, admission=admission)
+        # the costs this model measured on this backend in earlier processes, kept in the store
+        identity = self.cache_identity
+        disk = DiskTier(l3, admission=admission, cost_key=(identity.model.id, identity.backend))
         if not disk.serving:
             log.warning(
                 "skippy-llama: L3 is %s (%s); continuing without it", disk.state, disk.reason

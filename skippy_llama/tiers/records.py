@@ -153,6 +153,7 @@ class DiskActivity(_Json):
     unauthenticated: int = 0  # pages, index entries, manifests without a valid tag (missed)
     untrusted_rows: int = 0  # rows L3 did not write (pickled, text, foreign file names): dropped
     damaged_manifests: int = 0  # damaged or foreign-version manifests quarantined
+    damaged_costs: int = 0  # cost-book entries (or the book) failing validation or tag: ignored
     internal_errors: int = 0  # bugs in L3's own code (logged as errors): must stay 0
 
     @classmethod

@@ -571,3 +571,44 @@ def test_short_l3_read_is_reported_in_the_event(
     assert missing == 1
     # CacheEvent: "fallbacks: reasons a deeper tier was tried and abandoned (fail-open)"
     assert event.fallbacks, "the abandoned L3 page is not reported in the request's event"
+
+
+# ---------------------------------------------------------------------- 9. learned costs
+
+
+def test_a_new_process_starts_with_the_costs_the_last_one_measured(
+    smollm2_path: Path, tmp_path: Path, reference: list[str]
+) -> None:
+    # L1 off: P1 after UNRELATED is then an L3 restore, so both costs get measured
+    settings = l3_settings(tmp_path / "l3", l1={"enabled": False})
+    first = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
+    try:
+        admission = first.prefix_cache.admission
+        disk = first.prefix_cache.disk
+        assert admission is not None and disk is not None and disk.learned is not None
+        assert not disk.learned.loaded and not admission.costs.measured
+        for prompt in (PROMPTS[0], UNRELATED):
+            complete(first, prompt)
+            assert disk.flush(60)
+        assert complete(first, PROMPTS[1]) == reference[1]
+        assert first.last_cache_event is not None and first.last_cache_event.tier == "l3"
+        assert admission.costs.measured
+    finally:
+        first.close()
+    learned = (admission.costs.prefill_seconds_per_token, admission.costs.restore_seconds_per_byte)
+
+    second = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
+    try:
+        admission = second.prefix_cache.admission
+        disk = second.prefix_cache.disk
+        assert admission is not None and disk is not None and disk.learned is not None
+        assert disk.learned.loaded
+        costs = admission.costs
+        assert (costs.prefill_seconds_per_token, costs.restore_seconds_per_byte) == learned
+        # its first record is decided by those costs, not by the unmeasured write-through
+        assert complete(second, PROMPTS[2]) == reference[2]
+        assert disk.flush(60)
+        assert admission.counters.fallback == 0 and admission.counters.admitted >= 1
+        assert disk.status().process_activity.damaged_costs == 0
+    finally:
+        second.close()

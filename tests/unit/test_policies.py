@@ -52,63 +52,91 @@ def test_shipped_evicts_probation_first_then_lru() -> None:
     assert [p.key for p in order] == [b"o", b"n", b"p"]
 
 
+def used(policy: ReusePolicy, key: str, hits: int, at: float, **kw: float) -> PageStats:
+    """Admit page ``key`` at ``at``, then return it as the store describes it after ``hits``."""
+    assert policy.admit(page(key, created=at, last_used=at, **kw), at)
+    return page(key, created=at, last_used=at + hits, hits=hits, **kw)  # type: ignore[arg-type]
+
+
 def test_reuse_first_sighting_goes_before_reused_pages() -> None:
     policy = ReusePolicy(64 * MiB)
-    hot = page("hot", hits=3, last_used=1.0)
-    assert policy.admit(hot, 0.0)
-    one_off = page("long", created=5.0, last_used=5.0)
-    assert policy.admit(one_off, 5.0)
+    hot = used(policy, "hot", hits=3, at=0.0)
+    one_off = used(policy, "long", hits=0, at=5.0)
     # the one-off long prompt, though newer, sorts below the page reused three times
+    assert policy.frequency_class(one_off) == 0 < policy.frequency_class(hot)
     assert policy.priority(one_off, 6.0) < policy.priority(hot, 6.0)
+
+
+def test_reuse_first_sightings_tie_so_the_deepest_goes_first() -> None:
+    policy = ReusePolicy(64 * MiB)
+    older, newer = used(policy, "a", hits=0, at=1.0), used(policy, "b", hits=0, at=9.0)
+    assert policy.priority(older, 10.0) == policy.priority(newer, 10.0)
 
 
 def test_reuse_remembers_earlier_lives() -> None:
     """A page evicted after hits, then recorded again, outranks a page seen once."""
     policy = ReusePolicy(64 * MiB)
-    returning = page("doc", hits=2)
-    policy.admit(returning, 0.0)
-    policy.evicted(returning, 1.0)
-    again = page("doc", created=2.0, last_used=2.0)
-    fresh = page("new", created=2.0, last_used=2.0)
-    policy.admit(again, 2.0)
-    policy.admit(fresh, 2.0)
+    returning = used(policy, "doc", hits=2, at=0.0)
+    policy.evicted(returning, 3.0)
+    again = used(policy, "doc", hits=0, at=4.0)
+    fresh = used(policy, "new", hits=0, at=4.0)
     assert policy.uses(again) == 4.0  # first admission, its two hits, this admission
-    assert policy.priority(again, 3.0) > policy.priority(fresh, 3.0)
+    assert policy.uses(fresh) == 1.0
+    assert policy.priority(again, 5.0) > policy.priority(fresh, 5.0)
 
 
-def test_reuse_ages_pages_unused_since_evictions_raised_l() -> None:
-    """GDSF's inflation: a once-hot page unused while L rose sinks below a newer hot page."""
+def test_reuse_counts_hits_a_restarted_process_finds_stored() -> None:
+    """Hits are kept in the pages' metadata: a fresh policy ranks by them from the start."""
     policy = ReusePolicy(64 * MiB)
-    stale = page("stale", hits=2, last_used=0.0)
-    policy.admit(stale, 0.0)
-    for i in range(1, 6):  # evictions of valuable pages raise L
-        victim = page(f"v{i}", hits=5, last_used=float(i))
-        policy.admit(victim, float(i))
-        policy.evicted(victim, float(i))
-    fresh = page("fresh", hits=2, last_used=6.0)
-    policy.admit(fresh, 6.0)
-    assert policy.priority(stale, 7.0) < policy.priority(fresh, 7.0)
+    hot = page("hot", hits=5, last_used=1.0)
+    cold = page("cold", hits=0, last_used=9.0)
+    assert policy.uses(hot) == 5.0 and policy.uses(hot) == 5.0  # counted once
+    assert policy.priority(cold, 10.0) < policy.priority(hot, 10.0)
+
+
+def test_reuse_classes_group_similar_counts_and_order_them_by_last_use() -> None:
+    policy = ReusePolicy(64 * MiB)
+    levels = [
+        policy.frequency_class(used(policy, f"p{n}", hits=n - 1, at=0.0)) for n in range(1, 13)
+    ]
+    assert levels == sorted(levels) and levels[0] == 0 and levels[-1] > levels[1] > 0
+    assert levels[3] == levels[4]  # 4 and 5 uses: one class
+    stale = used(policy, "stale", hits=4, at=0.0)  # 5 uses, last used at 4
+    recent = used(policy, "recent", hits=3, at=10.0)  # 4 uses (one class with 5), at 13
+    busy = used(policy, "busy", hits=11, at=0.0)  # 12 uses, last used at 11
+    order = sorted([busy, recent, stale], key=lambda p: policy.priority(p, 20.0))
+    assert [p.key for p in order] == [b"stale", b"recent", b"busy"]
+
+
+def test_reuse_ages_counts_so_a_page_hot_long_ago_sinks() -> None:
+    """TinyLFU's halving: once the sketch has seen ``sketch_period`` more additions, a page
+    unused since counts half as much and falls below one reused since."""
+    policy = ReusePolicy(64 * MiB, sketch_period=16)
+    stale = used(policy, "stale", hits=7, at=0.0)
+    assert policy.uses(stale) == 8.0
+    for i in range(40):  # traffic elsewhere: two halvings
+        policy.admit(page(f"x{i}", created=10.0 + i, last_used=10.0 + i), 10.0 + i)
+    assert policy.uses(stale) == 2.0
+    lively = used(policy, "lively", hits=3, at=50.0)
+    assert policy.priority(stale, 60.0) < policy.priority(lively, 60.0)
 
 
 def test_reuse_charges_shared_pages_fractionally() -> None:
     """A system-prompt page under 50 prefixes outlives an equally used unshared page."""
     policy = ReusePolicy(64 * MiB)
-    shared = page("system", hits=2, sharers=50, prefill_s=0.5, restore_s=0.01)
-    alone = page("doc", hits=2, sharers=1, prefill_s=0.5, restore_s=0.01)
-    policy.admit(shared, 0.0)
-    policy.admit(alone, 0.0)
+    shared = used(policy, "system", hits=2, at=0.0, sharers=50, prefill_s=0.5, restore_s=0.01)
+    alone = used(policy, "doc", hits=2, at=0.0, sharers=1, prefill_s=0.5, restore_s=0.01)
     assert policy.value(shared) > policy.value(alone) > 0
-    assert policy.priority(alone, 1.0) < policy.priority(shared, 1.0)
+    assert policy.priority(alone, 5.0) < policy.priority(shared, 5.0)
 
 
 def test_reuse_weighs_benefit_per_byte() -> None:
-    """GDSF: of two pages used equally, the one that saves more per byte is kept."""
+    """GDSF's cost/size: of two pages used equally, the one that saves more per byte is kept."""
     policy = ReusePolicy(64 * MiB)
-    cheap = page("tail", hits=2, prefill_s=0.05, restore_s=0.01)
-    dear = page("full", hits=2, prefill_s=0.5, restore_s=0.01)
-    policy.admit(cheap, 0.0)
-    policy.admit(dear, 0.0)
+    cheap = used(policy, "tail", hits=4, at=0.0, prefill_s=0.05, restore_s=0.01)
+    dear = used(policy, "full", hits=4, at=0.0, prefill_s=0.5, restore_s=0.01)
     assert policy.value(cheap) < policy.value(dear)
+    assert policy.priority(cheap, 5.0) < policy.priority(dear, 5.0)
 
 
 def test_reuse_rejects_bad_budget() -> None:

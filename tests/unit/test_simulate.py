@@ -131,7 +131,7 @@ def test_one_off_long_prompt_never_evicts_a_hot_prefix() -> None:
     assert len(hot_then_one_off("lru")) < 4  # what the new default fixes
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_targets_on_synthetic_workloads(seed: int) -> None:
     """The issue's targets, where the synthetic traces can show them (figures: benchmarks)."""
     budgets = [32 * MiB, 64 * MiB, 128 * MiB]
@@ -145,7 +145,8 @@ def test_policy_targets_on_synthetic_workloads(seed: int) -> None:
             assert best >= new, (workload, budget)
             if workload == "skewed":
                 assert new >= 1.5 * lru, budget
-                assert new >= 0.7 * best, budget
+                # the GDSF default before the frequency classes reached 0.757 at 64 MiB
+                assert new >= 0.8 * best, budget
 
 
 def test_sweep_table_and_plot(tmp_path: Path) -> None:

@@ -542,6 +542,24 @@ def test_budget_eviction_lru_probation_first(open_tier: Any) -> None:
     assert records[0].pages[0].key in evicted
 
 
+@pytest.mark.parametrize("policy, kept", [("reuse", True), ("lru", False)])
+def test_a_one_off_long_record_does_not_push_out_a_hot_prefix(
+    open_tier: Any, policy: str, kept: bool
+) -> None:
+    """The store's own eviction with the default policy (LRU shown failing the same test)."""
+    tier = open_tier(budget="64MiB", policy=policy)
+    hot = chain(["h0", "h1"], size=4 * MiB)
+    record_now(tier, hot)
+    for _ in range(3):
+        assert len(tier.read(keys_of(hot))) == 2
+    tier.flush()
+    one_off = chain([f"long{i}" for i in range(16)], size=4 * MiB)  # the whole budget alone
+    record_now(tier, one_off)
+    status = tier.status()
+    assert status.usage.used_bytes <= 64 * MiB and status.activity.pages_evicted > 0
+    assert (len(tier.read(keys_of(hot))) == 2) is kept
+
+
 def test_prune_to_target_keeps_pinned(open_tier: Any) -> None:
     tier = open_tier()
     recs = [chain([f"r{i}a", f"r{i}b"], size=100 * KiB) for i in range(5)]

@@ -4,7 +4,7 @@ with a secret the store does not hold.
 A store directory others could write is refused (:func:`check_directory`): they could plant rows.
 
 Page digests live in the same database as the pages: they catch damage, not an attacker who can
-write the store. With ``l3.secret_file`` every page, child-index entry and manifest carries a tag,
+write the store. With ``l3.secret_file`` every page, child-index entry, manifest and the cost book carries a tag,
 HMAC-SHA256 (truncated to 128 bits) under that secret over the record's key and content, so only
 holders of the secret can write records other processes will serve. Each tag has its own label,
 so a tag of one kind never verifies as another.
@@ -58,6 +58,10 @@ class Signer:
     def manifest(self, body: bytes) -> bytes:
         """Tag of a manifest over its canonical JSON body (without the tag)."""
         return self._tag(b"manifest", body)
+
+    def costs(self, body: bytes) -> bytes:
+        """Tag of the cost book (``costs.py``) over its stored JSON body."""
+        return self._tag(b"costs", body)
 
     def verify(self, tag: bytes, expected: bytes) -> bool:
         """True when ``tag`` is the ``expected`` one, or when the store has no secret."""

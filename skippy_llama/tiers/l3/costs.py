@@ -23,6 +23,14 @@ from ...admission import CostModel
 BOOK_VERSION = 1
 #: Entries kept: one per (model identity, backend) this store has served; old ones drop first.
 MAX_ENTRIES = 256
+#: A stored book larger than this is not one this build wrote (256 entries take ~60 kB).
+MAX_BOOK_BYTES = 1 << 20
+#: Longest model identity or backend name accepted from a stored book.
+MAX_NAME_CHARS = 512
+#: Rates above these are not measurements (an hour per token, a second per byte): a planted
+#: value would otherwise make every restore look slower than its prefill and turn L3 off.
+MAX_PREFILL_S_PER_TOKEN = 3600.0
+MAX_RESTORE_S_PER_BYTE = 1.0
 
 
 @dataclass(frozen=True)
@@ -34,10 +42,14 @@ class CostRates:
     updated: float = 0.0
 
 
-def _rate(value: Any) -> float | None:
+def _rate(value: Any, limit: float) -> float | None:
     if value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) and value > 0 else None
+    return float(value) if math.isfinite(value) and 0 < value <= limit else None
+
+
+def _name(value: Any) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS else None
 
 
 class CostBook:
@@ -108,12 +120,16 @@ class CostBook:
         book = cls()
         if not raw:
             return book
-        try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        if len(raw) > MAX_BOOK_BYTES:
             book.dropped += 1
             return book
-        if not isinstance(obj, dict) or obj.get("v") != BOOK_VERSION:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):  # deep nesting: RecursionError
+            book.dropped += 1
+            return book
+        version = obj.get("v") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or type(version) is not int or version != BOOK_VERSION:
             book.dropped += 1
             return book
         entries = obj.get("entries")
@@ -121,11 +137,11 @@ class CostBook:
             if not isinstance(entry, dict):
                 book.dropped += 1
                 continue
-            model, backend = entry.get("model_identity"), entry.get("backend")
-            prefill = _rate(entry.get("prefill_s_per_token"))
-            restore = _rate(entry.get("restore_s_per_byte"))
-            updated = _rate(entry.get("updated")) or 0.0
-            if not isinstance(model, str) or not isinstance(backend, str) or not model:
+            model, backend = _name(entry.get("model_identity")), _name(entry.get("backend"))
+            prefill = _rate(entry.get("prefill_s_per_token"), MAX_PREFILL_S_PER_TOKEN)
+            restore = _rate(entry.get("restore_s_per_byte"), MAX_RESTORE_S_PER_BYTE)
+            updated = _rate(entry.get("updated"), math.inf) or 0.0
+            if model is None or backend is None:
                 book.dropped += 1
                 continue
             if prefill is None and restore is None:

@@ -1,8 +1,9 @@
-"""Housekeeping the writer thread does when idle: store hits and counters, renew the session.
+"""Housekeeping the writer thread does when idle: store hits, counters and learned costs, renew
+the session.
 
 Reads note their hits in memory; here they land in the pages' metadata (``hits``, ``last_used``,
 what eviction policies rank by) in one transaction per flush, together with this process's
-counters added to the store's totals. A failed flush keeps the counters for the next one; hits
+counters added to the store's totals and its measured costs (``learned.py``, when they changed). A failed flush keeps the counters for the next one; hits
 are best effort.
 """
 
@@ -13,6 +14,7 @@ import time
 from ...admission import AdmissionPolicy
 from ...errors import StoreDataError
 from .context import Parts
+from .learned import LearnedCosts
 from .reader import Touches
 from .schema import META
 from .sessions import Sessions
@@ -33,12 +35,14 @@ class Maintenance:
         touches: Touches,
         sessions: Sessions,
         admission: AdmissionPolicy | None,
+        learned: LearnedCosts | None = None,
     ) -> None:
         self.parts = parts
         self.tree = tree
         self.touches = touches
         self.sessions = sessions
         self.admission = admission
+        self.learned = learned
         self.last = time.monotonic()
 
     @property
@@ -73,8 +77,12 @@ class Maintenance:
                     reused += int(before == 0 and key in meta.owners)
                     store.set(META + key, meta.pack())
                 add_to_store(store, deltas)
+                if self.learned is not None:
+                    self.learned.save(store)
         except Exception as exc:
             parts.counters.give_back(deltas)
+            if self.learned is not None:
+                self.learned.unsaved()
             parts.health.fault(exc, "maintain")
             return
         parts.counters.add("promotions", promoted)

@@ -5,7 +5,8 @@ each kind is one contiguous key range that can be listed without touching the ot
 
     \\x01 + token      pin: JSON {v, pid, start, host, at, keys} (pages in use: never evicted)
     \\x02 + kind + key quarantine record: JSON {reason, at, pid, size}
-    \\x03 + name       store info: activity counters, the latest reconciliation, open sessions
+    \\x03 + name       store info: activity counters, the latest reconciliation, open sessions,
+                       learned costs
     \\x04 + last key   manifest of one cached prefix (:class:`Manifest`, JSON, versioned)
     \\x05 + parent     child index (:func:`pack_children`): the pages stored after a node
     \\x06 + page key   page metadata (:class:`PageMeta`, binary, versioned)
@@ -39,6 +40,7 @@ KINDS = (PIN, QUAR, INFO, MAN, KIDS, META, DATA)
 ACTIVITY = INFO + b"activity"
 RECONCILIATION = INFO + b"reconciliation"
 RECONCILER = INFO + b"reconciler"  # lease + cursor of the reconciliation in progress
+COSTS = INFO + b"costs"  # tag + JSON cost book (``costs.py``): rates per model and backend
 SESSION = INFO + b"session:"  # + token: one per open read-write tier (crash detection)
 
 #: Authentication tags: HMAC-SHA256 truncated to 128 bits (``auth.py``); zero bytes when unsigned.

@@ -28,6 +28,7 @@ from .auth import Signer, load_secret
 from .context import Parts
 from .eviction import Evictor
 from .health import ENTRY_FLOOR, Health
+from .learned import LearnedCosts
 from .maintain import Maintenance
 from .pins import Pins
 from .policies import make_policy
@@ -69,6 +70,8 @@ class DiskTier:
         read_only: open through a read-only connection, write nothing, not even a missing
             directory (``kv-cache status``).
         policy: eviction/admission policy object (default: ``settings.policy`` by name).
+        cost_key: ``(model identity, backend)`` whose measured costs (``admission.costs``) are
+            kept in the store: loaded at open, saved by the writer (``learned.py``).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class DiskTier:
         close_at_exit: bool = True,
         read_only: bool = False,
         policy: Policy | None = None,
+        cost_key: tuple[str, str] | None = None,
     ) -> None:
         self.settings = settings
         self.directory = Path(settings.directory)
@@ -104,8 +108,11 @@ class DiskTier:
         self._evictor = Evictor(parts, self._tree, self._pins, self.policy, costs)
         self._admin = Admin(parts, self._tree, self._pins, self._evictor)
         self._sessions = Sessions(parts)
+        self.learned: LearnedCosts | None = None
+        if admission is not None and cost_key is not None and not read_only:
+            self.learned = LearnedCosts(parts, admission.costs, *cost_key)
         self._maintenance = Maintenance(
-            parts, self._tree, self._reader.touches, self._sessions, admission
+            parts, self._tree, self._reader.touches, self._sessions, admission, self.learned
         )
         self._reconciler = Reconciler(parts, self._tree, self._pins)
         recorder = Recorder(parts, self._tree, self._pins, self._evictor, self.policy, admission)
@@ -123,6 +130,8 @@ class DiskTier:
             atexit.register(self._atexit)
 
     def _start(self, reconcile: bool, verify: bool) -> None:
+        if self.learned is not None:
+            self.learned.load()  # before the first record: admission decides with these
         try:
             crashed = self._sessions.open()
             if verify or (reconcile and self._reconciler.due(crashed=crashed)):
