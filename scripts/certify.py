@@ -62,7 +62,8 @@ from skippy_llama.state import (  # noqa: E402
     parse_state,
     slice_state,
 )
-from skippy_llama.state.format import SequenceState, parse_sections  # noqa: E402
+from skippy_llama.state.format import SequenceState, parse_layout, parse_sections  # noqa: E402
+from skippy_llama.state.layout import KVLayout  # noqa: E402
 from skippy_llama.state.pages import Page  # noqa: E402
 
 TEXT = (
@@ -156,8 +157,10 @@ class Run:
         )
 
     @property
-    def kv_layout(self) -> Any:
-        return self.sections[0].layout
+    def kv_layout(self) -> KVLayout:
+        """The layout the runtime reads for the row key (SkippyLlama.kv_layout's parse_layout):
+        both sections of a sliding-window state, so the runtime finds the row certified here."""
+        return parse_layout(self.blob)
 
     def paging_refusal(self) -> str | None:
         """Why pages of this model cannot be cut (None when they can), from the measured state."""

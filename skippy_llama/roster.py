@@ -232,6 +232,8 @@ class Verdict:
     reason: str
     lanes: tuple[str, ...] = ()
     recipe: Recipe | None = None
+    #: (lane, why) for the certified row's lanes that ran and failed: their paths stay stock
+    failed: tuple[tuple[str, str], ...] = ()
 
     def allows(self, lane: str) -> bool:
         """Whether the patched path that ``lane`` certifies may be used."""
@@ -250,6 +252,18 @@ class Verdict:
     def describe(self) -> str:
         recipe = self.recipe.describe() if self.recipe else "stock llama-cpp-python"
         return f"{self.kind}: {self.reason} [{recipe}]"
+
+    def to_json(self) -> dict[str, Any]:
+        """The verdict as ``run --json`` and ``kv-cache status --json`` report it: the kind,
+        the one-line description, the lanes whose patched paths are used, and the certified
+        row's failed lanes with the roster's reasons."""
+        return {
+            "verdict": self.kind,
+            "reason": self.describe(),
+            "lanes": [lane for lane in LANES if self.allows(lane)],
+            "failed": dict(self.failed),
+            "recipe": asdict(self.recipe) if self.recipe is not None else None,
+        }
 
 
 def decide(
@@ -274,12 +288,21 @@ def decide(
         assert roster is not None
         row = roster.row(key)
         assert row is not None
-        return Verdict("certified", f"{key.describe()} is certified", row.lanes, library)
+        return Verdict("certified", _certified_reason(key, row), row.lanes, library, row.failed)
     if allow_uncertified:
         return Verdict(
             "uncertified_override", f"{problem}; native.allow_uncertified is set", recipe=library
         )
     return Verdict("uncertified", f"{problem}; using the stock paths", recipe=library)
+
+
+def _certified_reason(key: RowKey, row: RosterRow) -> str:
+    """Which lanes the row certifies and which keep the stock paths (the roster says why)."""
+    others = [lane for lane in LANES if lane not in row.lanes]
+    reason = f"{key.describe()} is certified for {', '.join(row.lanes)}"
+    if others:
+        reason += f"; stock paths for {', '.join(others)}"
+    return reason
 
 
 def _uncertified_reason(library: Recipe, roster: Roster | None, key: RowKey) -> str | None:

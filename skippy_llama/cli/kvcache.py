@@ -12,10 +12,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ..config import LoadedSettings, Settings
 from ..errors import ConfigError, SkippyError
+from ..models import resolve_model_path
+from ..packages.kvdtype import KVDtypeResolution
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
 from ..tiers.records import DiskStatus
@@ -24,6 +27,7 @@ from .options import (
     add_kv_dtype_arguments,
     add_settings_arguments,
     kv_dtype_from_args,
+    model_kwargs,
     settings_from_args,
 )
 
@@ -40,8 +44,23 @@ def register(sub: Any) -> None:
     )
     actions = parser.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
 
-    status = actions.add_parser("status", help="state, usage, activity and inventory")
+    status = actions.add_parser(
+        "status",
+        help="state, usage, activity and inventory; the native library and its verdict",
+        description=(
+            "The L3 store's state, usage, activity and inventory, L1's memory, the live K/V "
+            "dtype, the native llama.cpp library's recipe against the split-certified roster "
+            "and, with --model or --package, that model's verdict (the model is loaded to "
+            "read its live KV layout; the store is not opened for it)."
+        ),
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="GGUF model whose native verdict to print (loaded as `run` loads it)",
+    )
     add_settings_arguments(status)
     add_kv_dtype_arguments(status)
     status.set_defaults(handler=cmd_status)
@@ -145,11 +164,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     if package is not None:
         report["kv_dtype"]["package"] = package.summary()
     report["l1"] = l1_memory(loaded.settings)
+    if package is not None and args.model:
+        raise ConfigError("give --model or --package, not both")
+    model: Path | None = None
+    if package is not None:
+        model = package.gguf_path
+    elif args.model:
+        model = resolve_model_path(args.model)
+    report["native"] = native_report(loaded.settings, resolution, model)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False))
     else:
         print(format_status(report))
     return 0
+
+
+def native_report(
+    settings: Settings, resolution: KVDtypeResolution, model: Path | None
+) -> dict[str, Any]:
+    """The native library's recipe against the roster, and ``model``'s verdict when given.
+
+    The model is loaded as ``run`` loads it (same K/V types, flash attention rule and L1
+    settings) with L3 off, so the verdict is the one a run gets and the store is not touched.
+    """
+    from ..runtime.recipe import native_status
+
+    if model is None:
+        return native_status()
+    from ..runtime.llama import SkippyLlama
+
+    no_l3 = settings.model_copy(update={"l3": settings.l3.model_copy(update={"mode": "off"})})
+    llm = SkippyLlama(str(model), cache_settings=no_l3, **model_kwargs(resolution, 512))
+    try:
+        return native_status(llm.native_verdict, str(model))
+    finally:
+        llm.close()
 
 
 def l1_memory(settings: Settings) -> dict[str, Any]:
@@ -254,6 +303,11 @@ def format_status(report: dict[str, Any]) -> str:
     if kv is not None:
         lines.append(f"live K/V dtype: K={kv['type_k']} V={kv['type_v']} by {kv['rule']}")
         lines.extend(f"  {rule} skipped: {why}" for rule, why in kv.get("skipped", {}).items())
+    native = report.get("native")
+    if native is not None:
+        from ..runtime.recipe import format_native_status
+
+        lines.extend(format_native_status(native))
     lines.append(
         "configured:" + (f" (file {report['config_file']})" if report["config_file"] else "")
     )

@@ -152,3 +152,16 @@ def kv_dtype_from_args(args: argparse.Namespace) -> tuple[KVDtypeResolution, Loa
         ),
         None,
     )
+
+
+def model_kwargs(resolution: KVDtypeResolution, n_ctx: int) -> dict[str, Any]:
+    """``Llama`` arguments for the live K/V dtype ``resolution``, as ``run`` loads a model.
+
+    ``kv-cache status`` loads a model with the same ones, so the verdict it prints is the one
+    ``run`` gets (the roster row depends on the K/V types and flash attention).
+    """
+    kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "seed": 1}
+    kwargs.update(resolution.llama_kwargs())
+    if resolution.type_v not in ("F16", "F32", "BF16"):
+        kwargs["flash_attn"] = True  # llama.cpp needs flash attention for a quantized V cache
+    return kwargs

@@ -16,6 +16,7 @@ from .options import (
     add_kv_dtype_arguments,
     add_settings_arguments,
     kv_dtype_from_args,
+    model_kwargs,
     settings_from_args,
 )
 from .progress import Progress
@@ -132,10 +133,7 @@ def execute(args: argparse.Namespace) -> RunReport:
     from ..runtime.baseline import ColdLlama
     from ..runtime.llama import SkippyLlama
 
-    common: dict[str, Any] = {"n_ctx": args.n_ctx, "verbose": False, "seed": 1}
-    common.update(resolution.llama_kwargs())
-    if resolution.type_v not in ("F16", "F32", "BF16"):
-        common["flash_attn"] = True  # llama.cpp needs flash attention for a quantized V cache
+    common = model_kwargs(resolution, args.n_ctx)
     if args.threads:
         common.update(n_threads=args.threads, n_threads_batch=args.threads)
     skippy = SkippyLlama(str(model_path), cache_settings=loaded.settings, **common)
@@ -189,8 +187,9 @@ def render(report: RunReport, baseline: bool) -> str:
         lines.append(
             f"L1: {l1['max_prefixes']} resident prefixes, {l1['budget_tokens']} tokens "
             f"({l1['budget_bytes'] / 2**20:.0f} MiB beside a {report.cache['context_kv_bytes'] / 2**20:.0f} MiB context); "
-            f"reuse granule {report.cache['granule']}; native {native['reason']}"
+            f"reuse granule {report.cache['granule']}"
         )
+        lines.append(f"native: {native['reason']}")
     lines.append("")
     header = f"{'#':>3}  {'request':<24} {'tier':<5} {'cached/prompt':>14} {'TTFT ms':>9}"
     if baseline:

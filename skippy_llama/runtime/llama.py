@@ -36,7 +36,14 @@ from ..identity import CacheIdentity, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
 from ..roster import Verdict
-from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_state
+from ..state import (
+    KVLayout,
+    assemble_into,
+    assembled_size,
+    page_from_bytes,
+    parse_layout,
+    parse_state,
+)
 from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
@@ -237,7 +244,7 @@ class SkippyLlama(llama_cpp.Llama):
         settings = self.cache_settings
         if settings.l3.mode == "off" or self.kv_layout is None:
             return None, None, None
-        if self.cache_identity.n_swa > 0:
+        if self.cache_identity.n_swa > 0 or not self.kv_layout.pageable:
             # measured by scripts/certify.py (roster/split-certified.json, gemma3 rows): the
             # state of a sliding-window model has a second section holding only the window's
             # cells, swa_full or not, so pages cut from a capture cannot rebuild a shorter
@@ -313,12 +320,14 @@ class SkippyLlama(llama_cpp.Llama):
             if int(self.context_params.n_seq_max) <= SCRATCH_SEQ:
                 return None  # no spare sequence to share one cell with
             one = native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, 0, 1)
-            return parse_state(one).layout
+            return parse_layout(one)
         if self.n_tokens:
             return None  # cleared behind llama-cpp-python's back: probing would hide it
         try:
             self._decode([self.token_bos() if self.token_bos() >= 0 else 0])
-            return parse_state(native.get_seq_state(self.ctx, WORKING_SEQ)).layout
+            # both sections of a sliding-window model's state: the roster row and identity
+            # need its layout even though its states are never paged
+            return parse_layout(native.get_seq_state(self.ctx, WORKING_SEQ))
         finally:
             native.seq_rm(self.ctx, WORKING_SEQ)
             self.n_tokens = 0
@@ -616,7 +625,7 @@ class SkippyLlama(llama_cpp.Llama):
         leaves it, and only the cells of its new pages are serialized.
         """
         cache = self.prefix_cache
-        if cache.disk is None or self.kv_layout is None:
+        if cache.disk is None or self.kv_layout is None or not self.kv_layout.pageable:
             return
         admission = cache.admission
         if (
@@ -802,10 +811,7 @@ class SkippyLlama(llama_cpp.Llama):
             "disabled_reason": self.cache_disabled_reason,
             "n_ctx": self.n_ctx(),
             "granule": self.granule,
-            "native": {
-                "verdict": self.native_verdict.kind,
-                "reason": self.native_verdict.describe(),
-            },
+            "native": self.native_verdict.to_json(),
             "kv_bytes_per_token": per_token,
             "context_kv_bytes": per_token * self.n_ctx(),
             "l1": {

@@ -32,6 +32,9 @@ class ServedLlama(SkippyLlama):
         self.sampled_tokens: list[int] = []
         self.prompt_token_count = 0
         super().__init__(model_path, **kwargs)
+        # decide the native verdict now, before requests run: it may probe the KV layout by
+        # decoding a token, which must not happen beside a request (status reads it later)
+        _ = self.native_verdict
 
     def generate(  # type: ignore[override]
         self, tokens: Sequence[int], *args: Any, **kwargs: Any

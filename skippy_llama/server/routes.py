@@ -37,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..cli.kvcache import status_report
 from ..errors import SkippyError
+from ..runtime.recipe import native_status
 from ..sizes import parse_size
 from .page import index_html
 from .proxy import ServedLlama
@@ -204,6 +205,10 @@ def _status(state: ServingState) -> dict[str, Any]:
     report = status_report(state.cache, snap.l3 or tier.status(), tier)
     llm = state.model()
     report["kv_dtype"] = llm.kv_dtype.to_dict() if llm is not None else None
+    # the verdict ServedLlama decided at load: reading it here decodes nothing
+    report["native"] = (
+        native_status(llm.native_verdict, llm.model_path) if llm is not None else native_status()
+    )
     report["l1"] = snap.l1.to_json()
     report["l2"] = snap.l2.to_json() if snap.l2 is not None else {"enabled": False}
     report["process"] = {**snap.counters_json(), "requests": state.history.totals()}

@@ -3,7 +3,13 @@
 Nothing here imports llama.cpp; the runtime hands blobs in and takes blobs out.
 """
 
-from .format import STATE_FORMAT_VERSION, SequenceState, parse_state
+from .format import (
+    STATE_FORMAT_VERSION,
+    SequenceState,
+    parse_layout,
+    parse_sections,
+    parse_state,
+)
 from .layout import KVLayout, LayerLayout, type_name
 from .pages import (
     PAGE_FORMAT_VERSION,
@@ -31,6 +37,8 @@ __all__ = [
     "check_layout",
     "cut_pages",
     "page_from_bytes",
+    "parse_layout",
+    "parse_sections",
     "parse_state",
     "slice_state",
     "sort_by_position",

@@ -10,6 +10,12 @@ The format (llama.cpp vendored in llama-cpp-python 0.3.36), all little-endian::
       V rows (v_trans 0): i32 type, u64 row_bytes, row_bytes * cells
       V transposed (v_trans 1): i32 type, u32 elem_bytes, u32 n_embd, n_embd * (elem_bytes * cells)
 
+A sliding-window model's memory is ``llama_kv_cache_iswa`` (``llama-kv-cache-iswa.cpp``,
+``state_write``): two caches each write the part from ``n_stream`` on, the full-attention
+layers' cache first, then the sliding-window layers' cache, which holds only the cells inside
+the window. :func:`parse_state` reads one section (what pages hold) and refuses a second;
+:func:`parse_sections` reads every section and :func:`parse_layout` the layout of either kind.
+
 Parsing never copies the K/V payload: :class:`SequenceState` holds numpy views into the blob.
 """
 
@@ -140,7 +146,10 @@ def parse_state(
             )
         found = (s, _parse_stream(r, seq_id, n_stream, s, cell_count, ext_bytes))
     if r.off != len(r.buf):
-        raise StateFormatError(f"{len(r.buf) - r.off} trailing bytes after the state")
+        raise StateFormatError(
+            f"{len(r.buf) - r.off} trailing bytes after the state's first memory section (a "
+            "sliding-window model's state has a second one, which pages cannot hold)"
+        )
     if found is None:
         empty = KVLayout(v_trans=False, layers=(), n_stream=n_stream, ext_bytes=ext_bytes)
         none = np.zeros(0, np.uint8)
@@ -211,11 +220,15 @@ def parse_sections(blob: bytes | bytearray | memoryview, ext_bytes: int = 0) -> 
     Sliding-window models keep two KV caches (llama.cpp's ``llama_kv_cache_iswa``): the state
     holds the full-attention layers' cells, then the sliding-window layers' cells, and llama.cpp
     writes only the window's unmasked cells of the second (measured on Gemma 3 270M with
-    ``swa_full``: 722 cells in the first section, the last 512 in the second). Used to measure
-    and to certify, not to page: skippy's pages hold one section.
+    ``swa_full``: 722 cells in the first section, the last 512 in the second). Used to read the
+    layout and to certify, not to page: skippy's pages hold one section.
+
+    A blob cut exactly at a section boundary reads as a state of fewer sections: only the
+    caller knows how many to expect.
 
     Raises:
-        StateFormatError: as :func:`parse_state`, per section.
+        StateFormatError: as :func:`parse_state`, per section; a section with no cells; no
+            section at all.
     """
     r = _Reader(memoryview(blob).cast("B"))
     (magic,) = r.take("<I", "magic")
@@ -224,18 +237,52 @@ def parse_sections(blob: bytes | bytearray | memoryview, ext_bytes: int = 0) -> 
     (seq_id,) = r.take("<i", "seq_id")
     sections: list[SequenceState] = []
     while r.off < len(r.buf):
-        (n_stream,) = r.take("<I", "n_stream")
+        index = len(sections)
+        (n_stream,) = r.take("<I", f"stream count of section {index}")
         if not 1 <= n_stream <= 4096:
-            raise StateFormatError(f"implausible stream count {n_stream}")
+            raise StateFormatError(f"implausible stream count {n_stream} in section {index}")
         found: SequenceState | None = None
         for s in range(n_stream):
-            (cell_count,) = r.take("<I", f"cell count of stream {s}")
+            (cell_count,) = r.take("<I", f"cell count of stream {s} of section {index}")
             if cell_count == 0:
                 continue
             if found is not None:
-                raise StateFormatError("two streams of one section hold cells")
+                raise StateFormatError(f"two streams of section {index} hold cells")
             found = _parse_stream(r, seq_id, n_stream, s, cell_count, ext_bytes)
         if found is None:
-            raise StateFormatError(f"section {len(sections)} holds no cells")
+            raise StateFormatError(f"section {index} holds no cells")
         sections.append(found)
+    if not sections:
+        raise StateFormatError("the state holds no memory section")
     return sections
+
+
+def parse_layout(blob: bytes | bytearray | memoryview, ext_bytes: int = 0) -> KVLayout:
+    """The KV layout of a state of one memory section, or of two (a sliding-window model's).
+
+    For two sections the layout is the first's, with the second's layers as ``swa_layers``:
+    a layout that says what the live context is (for the cache identity and the roster's row)
+    but that no page ever matches (:attr:`KVLayout.pageable` is false).
+
+    Raises:
+        StateFormatError: as :func:`parse_sections`; more than two sections; two sections that
+            disagree on V transposition, streams or cell ext (llama.cpp builds both caches of
+            one context alike).
+    """
+    sections = parse_sections(blob, ext_bytes)
+    if len(sections) > 2:
+        raise StateFormatError(
+            f"the state has {len(sections)} memory sections; llama.cpp writes one, or two for a "
+            "sliding-window model"
+        )
+    base = sections[0].layout
+    if len(sections) == 1:
+        return base
+    swa = sections[1].layout
+    for name in ("v_trans", "n_stream", "stream", "ext_bytes"):
+        if getattr(base, name) != getattr(swa, name):
+            raise StateFormatError(
+                f"the sliding-window section has {name} {getattr(swa, name)}, the first "
+                f"section {getattr(base, name)}"
+            )
+    return dataclasses.replace(base, swa_layers=swa.layers)

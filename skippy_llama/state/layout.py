@@ -45,17 +45,37 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Everything about a state blob's byte layout that is not per-token content."""
+    """Everything about a state blob's byte layout that is not per-token content.
+
+    ``layers`` are the layers of the state's first (or only) memory section. A sliding-window
+    model's state (llama.cpp's ``llama_kv_cache_iswa``) has a second section, the
+    sliding-window layers' cache, written after the first with the same ``v_trans``, streams
+    and cell ext; its layers are ``swa_layers`` (empty for a one-section state). Only
+    one-section layouts can be paged (:attr:`pageable`): the second section holds only the
+    window's cells, so a prefix of a capture is not the state of that prefix.
+    """
 
     v_trans: bool
     layers: tuple[LayerLayout, ...]
     n_stream: int = 1
     stream: int = 0
     ext_bytes: int = 0
+    swa_layers: tuple[LayerLayout, ...] = ()
 
     @property
     def n_layer(self) -> int:
+        """Layers of the first section (the only one pages hold)."""
         return len(self.layers)
+
+    @property
+    def n_sections(self) -> int:
+        """Memory sections of the state: 2 for a sliding-window (iSWA) model, else 1."""
+        return 2 if self.swa_layers else 1
+
+    @property
+    def pageable(self) -> bool:
+        """Whether states of this layout may be cut into pages (one section only)."""
+        return not self.swa_layers
 
     @property
     def meta_bytes_per_cell(self) -> int:
@@ -64,23 +84,31 @@ class KVLayout:
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        return sum(layer.k_row + layer.v_bytes_per_cell() for layer in self.layers)
+        """K/V bytes of one token in every layer, both sections of an iSWA state included
+        (a token inside the window has a cell in each section's cache)."""
+        return sum(
+            layer.k_row + layer.v_bytes_per_cell() for layer in (*self.layers, *self.swa_layers)
+        )
 
     @property
     def bytes_per_token(self) -> int:
-        """Serialized state bytes per token (cell metadata included)."""
-        return self.kv_bytes_per_cell + self.meta_bytes_per_cell
+        """Serialized state bytes per token (cell metadata included; for an iSWA state, of a
+        token inside the window, which has a cell in each section)."""
+        return self.kv_bytes_per_cell + self.meta_bytes_per_cell * self.n_sections
 
     def describe(self) -> str:
         first = self.layers[0] if self.layers else None
         types = f"K {type_name(first.k_type)} V {type_name(first.v_type)}" if first else "no layers"
-        return f"{self.n_layer} layers, {types}, v_trans={int(self.v_trans)}"
+        swa = f" + {len(self.swa_layers)} sliding-window" if self.swa_layers else ""
+        return f"{self.n_layer}{swa} layers, {types}, v_trans={int(self.v_trans)}"
 
     def digest(self) -> str:
         """A stable hex digest of the layout, used in the cache identity.
 
         Stream count and index are left out: they place cells, they do not change their bytes,
-        and ``assemble`` writes the live context's own placement.
+        and ``assemble`` writes the live context's own placement. A second (sliding-window)
+        section adds its layers after a marker, so a one-section layout's digest is what it
+        always was and no two-section layout shares it.
         """
         h = xxhash.xxh3_128()
         h.update(f"{int(self.v_trans)}|{self.ext_bytes}".encode())
@@ -88,4 +116,10 @@ class KVLayout:
             h.update(
                 f"|{layer.k_type},{layer.k_row},{layer.v_type},{layer.v_unit},{layer.v_embd}".encode()
             )
+        if self.swa_layers:
+            h.update(b"|swa")
+            for layer in self.swa_layers:
+                h.update(
+                    f"|{layer.k_type},{layer.k_row},{layer.v_type},{layer.v_unit},{layer.v_embd}".encode()
+                )
         return h.hexdigest()

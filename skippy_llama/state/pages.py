@@ -202,6 +202,8 @@ def slice_state(state: SequenceState, start: int, end: int) -> Page:
             f"[{first}, {first + state.n_tokens})"
         )
     layout = state.layout
+    if not layout.pageable:
+        raise StateFormatError("a sliding-window (two-section) state cannot be cut into pages")
     a, b = start - first, end - first
     v = tuple(
         arr[:, a * layer.v_unit : b * layer.v_unit] if layout.v_trans else arr[a:b]
@@ -239,6 +241,12 @@ def _describe(layer: LayerLayout) -> str:
 
 
 def _layout_difference(want: KVLayout, got: KVLayout) -> str | None:
+    if want.swa_layers != got.swa_layers:
+        # a page holds one section; a sliding-window context's state has two
+        return (
+            f"{got.n_sections} memory section(s) with {len(got.swa_layers)} sliding-window "
+            f"layers where the context has {want.n_sections} with {len(want.swa_layers)}"
+        )
     if want.v_trans != got.v_trans:
         return f"v_trans {int(got.v_trans)} where the context has {int(want.v_trans)}"
     if want.n_layer != got.n_layer:
@@ -290,6 +298,11 @@ def assemble(
 
 def assembled_size(pages: Sequence[Page], layout: KVLayout, *, start: int = 0) -> int:
     """Bytes :func:`assemble` writes for ``pages`` (checked like :func:`assemble` checks them)."""
+    if not layout.pageable:
+        # pages hold one section; set_data would read the second from whatever followed
+        raise LayoutMismatchError(
+            "pages cannot rebuild the state of a sliding-window context (two memory sections)"
+        )
     pos = start
     for page in pages:
         if page.start != pos:

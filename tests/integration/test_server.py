@@ -24,6 +24,7 @@ from serverproc import THREADS, ServerProcess, free_port
 
 from skippy_llama.cli.serve import SERVE_L1_PREFIXES
 from skippy_llama.config import load_settings
+from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.server.routes import _NOT_MODEL_ARGS, ChatBody, CompletionBody
 
@@ -252,6 +253,14 @@ def test_kv_cache_status_is_the_cli_status_plus_l1_l2(server: ServerProcess, l3_
     assert status["l2"] == {"enabled": False}
     assert status["process"]["requests"]["requests"] >= 1
     assert status["kv_dtype"]["type_k"] == "F16"
+    # the served SmolLM2's verdict (decided at load); the CLI without --model has none
+    assert want["native"]["verdict"] is None
+    assert status["native"]["library"] == want["native"]["library"]
+    served = status["native"]["verdict"]
+    if native_ext.abi_version() is None:
+        assert served["verdict"] == "stock" and served["lanes"] == []
+    else:
+        assert served["verdict"] == "certified" and "append_import_exact" in served["lanes"]
 
 
 def test_prune_and_clear_from_loopback(server: ServerProcess) -> None:

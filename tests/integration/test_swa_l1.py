@@ -19,7 +19,12 @@ import pytest
 from modelhelpers import TEXT, cold_logits, last_logits
 
 from skippy_llama.config import Settings
+from skippy_llama.errors import StateFormatError
+from skippy_llama.roster import RowKey
+from skippy_llama.runtime import native, native_ext
 from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.runtime.recipe import row_key
+from skippy_llama.state import parse_sections, parse_state
 
 pytestmark = pytest.mark.model
 
@@ -92,3 +97,52 @@ def test_the_live_sequence_is_never_cut_back_inside_a_sliding_window(
         llm.close()
     assert event is not None and event.cached_tokens == 0
     assert np.array_equal(got, want)
+
+
+def test_the_two_section_layout_finds_the_gemma3_row_and_swa_stays_l1_only(
+    gemma3_path: Path, tokens: list[int], tmp_path: Path
+) -> None:
+    # L2 and L3 configured: an SWA model must still get neither, with its layout now known
+    settings = Settings(
+        l2={"budget": "64MiB"}, l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path)}
+    )
+    llm = SkippyLlama(str(gemma3_path), cache_settings=settings, **KWARGS)  # type: ignore[arg-type]
+    try:
+        layout = llm.kv_layout  # read at load (L3 is configured): by the one-token probe
+        assert layout is not None
+        # Gemma 3 270M: 18 layers, every sixth full attention; both sections' K/V are F16
+        assert (layout.n_layer, len(layout.swa_layers), layout.n_sections) == (3, 15, 2)
+        assert not layout.pageable and layout.v_trans
+        assert llm.cache_identity.layout_digest == layout.digest()
+        assert llm.prefix_cache.disk is None and llm.prefix_cache.ram is None
+        verdict = llm.native_verdict
+        key = row_key("gemma3", native.backend_name(), layout)
+        assert key == RowKey("gemma3", native.backend_name(), "F16", "F16", False)
+        if native_ext.abi_version() is None:
+            assert verdict.kind == "stock", verdict.describe()
+        else:
+            # the roster's gemma3 row: L1 only; the failed lanes keep the stock paths
+            assert verdict.kind == "certified", verdict.describe()
+            assert verdict.lanes == ("l1_stream_copy_exact",)
+        assert not verdict.range_export and not verdict.append_import
+        llm.create_completion(tokens[:LONG], max_tokens=1)
+        state = native.get_seq_state(llm.ctx, 0)
+        # the live state past the window: the second section holds only the window's cells,
+        # so it is never parsed as a pageable state
+        first, second = parse_sections(state)
+        n = first.n_tokens
+        assert n >= LONG and sorted(first.positions.tolist()) == list(range(n))
+        assert sorted(second.positions.tolist()) == list(range(n - 512, n))
+        with pytest.raises(StateFormatError, match="second one"):
+            parse_state(state)
+        assert llm.last_cache_event is not None and llm.prefix_cache.counters.records == 0
+    finally:
+        llm.close()
+    # L1 alone reads the layout later, from a cell of the live sequence: the same layout
+    l1 = SkippyLlama(str(gemma3_path), cache_settings=Settings(), **KWARGS)  # type: ignore[arg-type]
+    try:
+        l1.create_completion(tokens[:40], max_tokens=1)
+        assert l1.kv_layout == layout
+        assert l1.cache_status()["native"] == verdict.to_json()
+    finally:
+        l1.close()

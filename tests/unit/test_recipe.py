@@ -10,6 +10,7 @@ import pytest
 
 from skippy_llama.errors import RosterError
 from skippy_llama.roster import (
+    LANES,
     PATCHES_DIR,
     SKIPPY_ABI_VERSION,
     Recipe,
@@ -22,6 +23,7 @@ from skippy_llama.roster import (
     parse_roster,
     queue_digest,
 )
+from skippy_llama.runtime import recipe as recipe_module
 from skippy_llama.runtime.recipe import row_key
 from skippy_llama.state.layout import KVLayout, LayerLayout
 
@@ -168,3 +170,89 @@ def test_failed_lanes_round_trip_and_are_checked() -> None:
     assert '"failed"' not in ROSTER.to_json()  # rows without failures keep the old form
     with pytest.raises(RosterError, match="failed"):
         parse_roster(text.replace('"page_restore_exact": "why"', '"teleport": "why"'))
+
+
+def test_row_key_counts_the_sliding_window_layers() -> None:
+    f16 = LayerLayout(k_type=1, k_row=128, v_type=1, v_unit=2, v_embd=64)
+    swa = KVLayout(v_trans=True, layers=(f16,), swa_layers=(f16,) * 5)
+    assert row_key("gemma3", "CPU", swa) == RowKey("gemma3", "CPU", "F16", "F16", False)
+    # layers of other types than the first name no single type: no row certifies them
+    q8 = replace(f16, k_type=8, k_row=136)
+    mixed = replace(swa, swa_layers=(q8,))
+    assert row_key("gemma3", "CPU", mixed).type_k == "mixed"
+    assert row_key("gemma3", "CPU", mixed).type_v == "F16"
+
+
+def test_the_checked_in_roster_certifies_gemma3_for_l1_only() -> None:
+    roster = load_roster()
+    assert roster is not None
+    for flash in (False, True):
+        key = RowKey("gemma3", "CPU", "F16", "F16", flash)
+        verdict = decide(roster.recipe, roster, key)
+        assert verdict.kind == "certified", verdict.describe()
+        assert verdict.lanes == ("l1_stream_copy_exact",)
+        # the lanes that failed keep the stock paths, and the verdict says so and why
+        assert not verdict.range_export and not verdict.append_import
+        assert not verdict.allows("page_restore_exact") and not verdict.allows("restart_exact")
+        assert "certified for l1_stream_copy_exact; stock paths for page_restore_exact" in (
+            verdict.reason
+        )
+        report = verdict.to_json()
+        assert report["lanes"] == ["l1_stream_copy_exact"]
+        assert set(report["failed"]) == {
+            "page_restore_exact",
+            "range_export_slice",
+            "append_import_exact",
+            "restart_exact",
+        }
+        assert "llama_kv_cache_iswa" in report["failed"]["append_import_exact"]
+
+
+def test_verdict_json_lists_the_lanes_it_allows() -> None:
+    everything = decide(
+        RECIPE, ROSTER, RowKey("x", "CPU", "F16", "F16", False), allow_uncertified=True
+    )
+    assert everything.kind == "uncertified_override"
+    assert everything.to_json()["lanes"] == list(LANES)
+    assert decide(None, ROSTER, KEY).to_json() == {
+        "verdict": "stock",
+        "reason": "stock: the llama.cpp library has no skippy patches [stock llama-cpp-python]",
+        "lanes": [],
+        "failed": {},
+        "recipe": None,
+    }
+    full = decide(RECIPE, ROSTER, KEY)
+    assert full.reason.endswith(
+        "stock paths for page_restore_exact, l1_stream_copy_exact, restart_exact"
+    )
+
+
+@pytest.mark.parametrize("library", ["roster", "other", "stock"])
+def test_native_status_reports_library_roster_and_verdict(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, library: str
+) -> None:
+    path = tmp_path / "roster.json"
+    path.write_text(ROSTER.to_json())
+    loaded = {"roster": RECIPE, "other": replace(RECIPE, queue_sha256="cd" * 32), "stock": None}
+    monkeypatch.setattr(recipe_module, "library_recipe", lambda: loaded[library])
+    verdict = decide(loaded[library], ROSTER, KEY)
+    report = recipe_module.native_status(verdict, "m.gguf", roster_path=path)
+    lines = recipe_module.format_native_status(report)
+    assert report["roster"]["certifies_library"] is (library == "roster")
+    assert (
+        report["verdict"]["verdict"]
+        == {"roster": "certified", "other": "uncertified", "stock": "stock"}[library]
+    )
+    assert lines[-1] == f"native verdict for m.gguf: {verdict.describe()}"
+    if library == "stock":
+        assert lines[0].startswith("native library: stock")
+    elif library == "other":
+        assert "certifies another recipe" in lines[1]
+    else:
+        assert "certifies it (1 rows)" in lines[1]
+        assert lines[2] == f"    {KEY.describe()}: range_export_slice, append_import_exact"
+    # no model: the library and roster only, and how to ask for a verdict
+    bare = recipe_module.format_native_status(recipe_module.native_status(roster_path=path))
+    assert "--model PATH" in bare[-1]
+    missing = recipe_module.native_status(roster_path=tmp_path / "none.json")
+    assert missing["roster"]["problem"].startswith("no roster")
