@@ -12,11 +12,13 @@ same model, ``n_ctx`` 4096 and 2 threads:
 * ``llama_cpp``        ``python -m llama_cpp.server`` without a cache (it still reuses the prefix it
                        has live in its context);
 * ``llama_cpp_cache``  ``python -m llama_cpp.server --cache true`` (LlamaRAMCache, 2 GiB);
-* ``skippy``           ``skippy-llama serve`` with default settings (L1: 4 resident prefixes);
+* ``skippy``           ``skippy-llama serve`` with default settings (L1: a server keeps 16
+                       resident prefixes; before ``9fac420`` it kept the library's 4);
 * ``skippy_tiers``     ``skippy-llama serve --l2-budget 256MiB --l3-mode fixed --l3-budget 1GiB``
                        on a fresh directory;
-* ``skippy_l1x8``      ``skippy-llama serve`` with ``SKIPPY_L1__MAX_PREFIXES=8`` (one resident
-                       prefix per user; L2/L3 off).
+* ``skippy_norepair``  ``skippy-llama serve`` with ``SKIPPY_L1__REPAIR_GENERATED=never``: a chat
+                       that is left is parked without its reply, which the chat's next turn then
+                       decodes inside its own prefill (no re-decode on another user's request).
 
 For skippy the server's own view of every request (tier, restore and TTFT in the server) is
 read from ``/status.json`` before the server stops.
@@ -75,7 +77,7 @@ TIER_FLAGS = ("--l2-budget", "256MiB", "--l3-mode", "fixed", "--l3-budget", "1Gi
 
 
 #: environment per contender (the rest inherit this process's)
-ENV = {"skippy_l1x8": {"SKIPPY_L1__MAX_PREFIXES": "8"}}
+ENV = {"skippy_norepair": {"SKIPPY_L1__REPAIR_GENERATED": "never"}}
 
 
 def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
@@ -89,7 +91,7 @@ def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
         "llama_cpp_cache": [*upstream, "--cache", "true"],
         "skippy": skippy,
         "skippy_tiers": [*skippy, *TIER_FLAGS, "--l3-dir", str(scratch / "l3")],
-        "skippy_l1x8": skippy,
+        "skippy_norepair": skippy,
     }
 
 
@@ -222,7 +224,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     upstream = [runs[n]["ttft_p50_s"] for n in ("llama_cpp", "llama_cpp_cache") if n in runs]
     if upstream:
         best = min(upstream)
-        for name in ("skippy", "skippy_tiers", "skippy_l1x8"):
+        for name in ("skippy", "skippy_tiers", "skippy_norepair"):
             if name in runs:
                 out[name]["ttft_p50_vs_best_llama_cpp"] = round(runs[name]["ttft_p50_s"] / best, 3)
                 out[name]["wall_vs_best_llama_cpp"] = round(
