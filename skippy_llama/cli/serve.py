@@ -74,23 +74,33 @@ def register(sub: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
-#: Resident prefixes a server keeps unless told otherwise: one per conversation it serves in
-#: turn (the library's default of 4 makes an interleaved fifth user evict the first, measured
-#: in benchmarks/README.md "Serving"). ``l1.budget_tokens`` still bounds their memory.
-SERVE_L1_PREFIXES = 16
+#: L1 settings a server runs with unless a flag, variable or file sets them (measured with
+#: bench_server.py, 8 interleaved chat users; benchmarks/README.md "Serving"):
+#:
+#: * ``max_prefixes`` 16: one resident prefix per conversation served in turn (the library's 4
+#:   made a fifth interleaved user evict the first: TTFT p50 0.96x against 0.34x the best
+#:   llama_cpp.server with 8); their memory stays bounded by ``l1.budget_tokens``;
+#: * ``repair_generated`` ``never``: a chat that is left is parked without its reply, which its
+#:   next turn decodes inside its own prefill, instead of re-decoding the reply on the next
+#:   user's request (TTFT p50 0.19 s against 0.25 s, total 23 s against 28 s, outputs equal).
+SERVE_L1_DEFAULTS: dict[str, Any] = {"max_prefixes": 16, "repair_generated": "never"}
 
 
 def serving_defaults(loaded: LoadedSettings) -> LoadedSettings:
-    """The settings a server runs with: ``l1.max_prefixes`` is :data:`SERVE_L1_PREFIXES` where
-    no flag, variable or file set it."""
-    if loaded.sources.get("l1.max_prefixes", "default") != "default":
+    """The settings a server runs with: :data:`SERVE_L1_DEFAULTS` where nothing set them."""
+    unset = {
+        name: value
+        for name, value in SERVE_L1_DEFAULTS.items()
+        if loaded.sources.get(f"l1.{name}", "default") == "default"
+    }
+    if not unset:
         return loaded
     settings = loaded.settings
-    l1 = settings.l1.model_copy(update={"max_prefixes": SERVE_L1_PREFIXES})
+    l1 = settings.l1.model_copy(update=unset)
     return dataclasses.replace(
         loaded,
         settings=settings.model_copy(update={"l1": l1}),
-        sources={**loaded.sources, "l1.max_prefixes": "serve default"},
+        sources={**loaded.sources, **{f"l1.{name}": "serve default" for name in unset}},
     )
 
 

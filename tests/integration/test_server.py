@@ -22,7 +22,7 @@ from modelhelpers import TEXT
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import THREADS, ServerProcess, free_port
 
-from skippy_llama.cli.serve import SERVE_L1_PREFIXES
+from skippy_llama.cli.serve import SERVE_L1_DEFAULTS
 from skippy_llama.config import load_settings
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
@@ -244,7 +244,8 @@ def test_kv_cache_status_is_the_cli_status_plus_l1_l2(server: ServerProcess, l3_
     assert set(want) <= set(status)
     # the same settings, but for the server's own default of resident prefixes
     served = want["configured"] | {
-        "l1.max_prefixes": {"value": SERVE_L1_PREFIXES, "source": "serve default"}
+        f"l1.{name}": {"value": value, "source": "serve default"}
+        for name, value in SERVE_L1_DEFAULTS.items()
     }
     assert status["configured"] == served
     assert status["effective"]["state"] == "active"

@@ -181,17 +181,22 @@ def test_l3_budget_below_floor_policy_and_trace_file() -> None:
     assert traced.sources["l3.policy"] == "cli"
 
 
-def test_serve_keeps_a_resident_prefix_per_conversation_unless_told_otherwise(
+def test_serve_keeps_a_prefix_per_conversation_and_skips_repairs_unless_told_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from skippy_llama.cli.serve import SERVE_L1_PREFIXES, serving_defaults
+    from skippy_llama.cli.serve import SERVE_L1_DEFAULTS, serving_defaults
 
     monkeypatch.delenv("SKIPPY_L1__MAX_PREFIXES", raising=False)
+    monkeypatch.delenv("SKIPPY_L1__REPAIR_GENERATED", raising=False)
     served = serving_defaults(load_settings())
-    assert served.settings.l1.max_prefixes == SERVE_L1_PREFIXES > Settings().l1.max_prefixes
+    assert served.settings.l1.max_prefixes == SERVE_L1_DEFAULTS["max_prefixes"] > 4
+    assert served.settings.l1.repair_generated == "never" != Settings().l1.repair_generated
+    assert served.sources["l1.max_prefixes"] == served.sources["l1.repair_generated"]
     assert served.sources["l1.max_prefixes"] == "serve default"
     assert served.settings.l1.budget_tokens is None  # memory stays bounded by n_ctx tokens
     monkeypatch.setenv("SKIPPY_L1__MAX_PREFIXES", "3")
-    assert serving_defaults(load_settings()).settings.l1.max_prefixes == 3
+    monkeypatch.setenv("SKIPPY_L1__REPAIR_GENERATED", "always")
+    told = serving_defaults(load_settings()).settings.l1
+    assert (told.max_prefixes, told.repair_generated) == (3, "always")
     cli = serving_defaults(load_settings({"l1": {"max_prefixes": 5}}))
     assert cli.settings.l1.max_prefixes == 5
