@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_admission import measured
 from test_tier_disk import PLENTY, chain, record_now, settings
 
 from skippy_llama.admission import AdmissionPolicy, CostModel
@@ -19,13 +20,6 @@ from skippy_llama.tiers.l3.costs import MAX_BOOK_BYTES, CostBook, CostRates
 from skippy_llama.tiers.l3.schema import COSTS, NO_TAG
 
 MODEL, BACKEND = "model-a", "CPU"
-
-
-def measured(prefill: float, restore: float) -> CostModel:
-    costs = CostModel()
-    costs.observe_prefill(1000, prefill * 1000)
-    costs.observe_restore(1000, restore * 1000)
-    return costs
 
 
 def test_a_book_round_trips_exactly() -> None:

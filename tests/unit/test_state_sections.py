@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from statefixtures import F16, Q8_0, Spec, build_state, make_content
+from test_state_format import BASE as LAYOUT
 
 from skippy_llama.errors import LayoutMismatchError, StateFormatError
 from skippy_llama.state import (
@@ -71,16 +72,7 @@ def test_one_section_layout_is_parse_states() -> None:
 
 
 def test_a_one_section_digest_is_unchanged_and_a_second_section_changes_it() -> None:
-    base = KVLayout(
-        v_trans=True,
-        layers=(
-            LayerLayout(1, 64, 1, 2, 32),
-            LayerLayout(8, 34, 1, 2, 48),
-            LayerLayout(0, 32, 0, 4, 8),
-        ),
-        n_stream=2,
-        stream=1,
-    )
+    base = LAYOUT
     # the digest main computed before layouts had a second section: L3 stores keep matching
     assert base.digest() == "feec70b21e14b68e238787e18b4d2ff7"
     swa = dataclasses.replace(base, swa_layers=(LayerLayout(1, 64, 1, 2, 32),))
