@@ -22,11 +22,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,19 +31,13 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+from patched_common import TEXT, provenance
 
 from skippy_llama.config import Settings
 from skippy_llama.models import resolve_model_path
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
 
-TEXT = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as "
-    "his father had done before him. At the top he trimmed the wick, polished the great lens and "
-    "wound the clockwork that turned the light. Ships far out at sea watched for its pulse, and "
-    "in storms the tower shook while the windows wept with spray; he wrote the wind, the swell "
-    "and the passing vessels in the logbook between his rounds. "
-)
 OTHER = "Bread and butter, cheese and apples, a jug of cider and a loaf still warm from the oven. "
 
 
@@ -131,15 +122,7 @@ def main() -> int:
         f"logits equal: {equal}"
     )
     result = {
-        "benchmark": "append",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(),
-        "abi": native_ext.abi_version(),
-        "queue_sha256": native_ext.queue_sha256(),
+        **provenance("append"),
         "verdict": verdict.kind,
         "long": args.long,
         "short": args.short,

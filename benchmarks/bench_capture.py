@@ -19,30 +19,20 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+from patched_common import TEXT, provenance
 
 from skippy_llama.models import resolve_model_path
 from skippy_llama.runtime import native, native_ext
 from skippy_llama.state import parse_state, slice_state
 from skippy_llama.state.pages import Page
-
-TEXT = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as "
-    "his father had done before him. At the top he trimmed the wick, polished the great lens and "
-    "wound the clockwork that turned the light. Ships far out at sea watched for its pulse, and "
-    "in storms the tower shook while the windows wept with spray; he wrote the wind, the swell "
-    "and the passing vessels in the logbook between his rounds. "
-)
 
 
 def _timed(fn: Any) -> float:
@@ -120,15 +110,7 @@ def main() -> int:
         )
     llm.close()
     result = {
-        "benchmark": "capture",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(),
-        "abi": native_ext.abi_version(),
-        "queue_sha256": native_ext.queue_sha256(),
+        **provenance("capture"),
         "turns": rows,
     }
     if args.out:
