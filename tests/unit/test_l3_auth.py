@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tier_disk import PLENTY, ROOT, chain, keys_of, record_now, settings
+from test_tier_disk import ROOT, chain, keys_of, record_now
 
 from skippy_llama.errors import ConfigError
-from skippy_llama.tiers.disk import DiskTier, payload_digest
+from skippy_llama.tiers.disk import payload_digest
 from skippy_llama.tiers.l3.auth import MIN_SECRET_BYTES, Signer
 from skippy_llama.tiers.l3.schema import PageMeta
 
@@ -31,25 +30,6 @@ def secret_at(path: Path, data: bytes | None = None, mode: int = 0o600) -> Path:
     path.write_bytes(os.urandom(32) if data is None else data)
     path.chmod(mode)
     return path
-
-
-@pytest.fixture
-def tier_at(tmp_path: Path) -> Iterator[Any]:
-    opened: list[DiskTier] = []
-
-    def make(directory: Path, secret: Path | None = None, **kw: Any) -> DiskTier:
-        tier = DiskTier(
-            settings(directory, secret_file=secret, **kw),
-            disk_free=lambda _p: PLENTY,
-            close_at_exit=False,
-        )
-        opened.append(tier)
-        return tier
-
-    yield make
-    for tier in opened:
-        tier.close()
-    assert [t._parts.counters.get("internal_errors") for t in opened] == [0] * len(opened)
 
 
 def test_the_same_secret_serves_every_record(tmp_path: Path, tier_at: Any) -> None:

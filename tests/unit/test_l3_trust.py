@@ -11,7 +11,6 @@ import pickle
 import sqlite3
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +37,6 @@ class _Plant:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (open, (str(self.marker), "w"))
-
-
-@pytest.fixture
-def tier_at(tmp_path: Path) -> Iterator[Any]:
-    opened: list[DiskTier] = []
-
-    def make(directory: Path, **kw: Any) -> DiskTier:
-        tier = DiskTier(settings(directory, **kw), disk_free=lambda _p: PLENTY, close_at_exit=False)
-        opened.append(tier)
-        return tier
-
-    yield make
-    for tier in opened:
-        tier.close()
-    assert [t._parts.counters.get("internal_errors") for t in opened] == [0] * len(opened)
 
 
 def _db(directory: Path) -> sqlite3.Connection:
