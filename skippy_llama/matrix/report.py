@@ -40,6 +40,11 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _served(counts: dict[str, int]) -> str:
+    """Requests per tier, as ``l1:3 l3:1``."""
+    return " ".join(f"{tier}:{n}" for tier, n in sorted(counts.items()))
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The Markdown tables of a report (cells, no-reuse overhead, portability, gate totals)."""
     lines = [
@@ -62,9 +67,8 @@ def markdown(report: dict[str, Any]) -> str:
         "|" + "---|" * (13 + len(GATES)),
     ]
     for r in report["rows"]:
-        served = " ".join(f"{k}:{v}" for k, v in sorted(r["served"].items()))
         lines.append(
-            f"| {r['backend']} | {r['kv']} | {r['workload']} | {r['tier']} | {served} | "
+            f"| {r['backend']} | {r['kv']} | {r['workload']} | {r['tier']} | {_served(r['served'])} | "
             f"{r['cached_tokens']}/{r['prompt_tokens']} | {_num(r['ttft_ratio'])} | "
             f"{_num(r['restart_ttft_ratio'])} | {_size(r['bytes_stored'])} | "
             f"{_num(r['write_amplification'], '{:.2f}')} | "
@@ -118,9 +122,8 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in port["rows"]:
-            served = " ".join(f"{k}:{v}" for k, v in sorted(r["served"].items()))
             lines.append(
-                f"| {r['source']} | {r['target']} | {r['kv']} | {r['requests']} | {served} | "
+                f"| {r['source']} | {r['target']} | {r['kv']} | {r['requests']} | {_served(r['served'])} | "
                 f"{r['agreement']:.2f} | {_num(r['max_abs_dlogit'], '{:.4g}')} | "
                 f"{r['off_l3_cached_tokens']} |"
             )

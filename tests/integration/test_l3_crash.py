@@ -10,19 +10,25 @@ may be stored (no repair before it: reads alone must be safe), then reconciles w
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from l3_crash_worker import check, settings
-from test_l3_runtime import PROMPTS, l3_env, reference, run_worker, start
+from test_l3_runtime import (
+    PROMPTS,
+    clean_env,
+    l3_env,
+    reference,
+    run_worker,
+    spawn_worker,
+    start,
+)
 
 from skippy_llama.tiers.disk import DiskTier
 
@@ -36,15 +42,7 @@ STARTUP_KILLS = (5, 11, 17, 23)
 
 
 def spawn(spec: dict[str, Any]) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKIPPY_")}
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    return spawn_worker(WORKER, spec, clean_env())
 
 
 def line(proc: subprocess.Popen[str], key: str) -> Any:

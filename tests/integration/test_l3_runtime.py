@@ -60,6 +60,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def spawn_worker(worker: Path, spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Run a worker script on a JSON spec; its JSON lines come back on stdout."""
+    return subprocess.Popen(
+        [sys.executable, str(worker), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+
+
 def l3_env(directory: Path, minimum_free: str = "1GiB", **extra: str) -> dict[str, str]:
     return clean_env(
         SKIPPY_L3__MODE="fixed",
@@ -85,14 +97,7 @@ def start(
         "max_tokens": MAX_TOKENS,
         **spec,
     }
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    return spawn_worker(WORKER, spec, env)
 
 
 def finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
