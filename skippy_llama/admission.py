@@ -33,7 +33,12 @@ class CostModel:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.prefill_seconds_per_token: float | None = None
+        #: restores that read L3 page files (what admission and eviction weigh, and what the
+        #: store keeps across restarts)
         self.restore_seconds_per_byte: float | None = None
+        #: restores served wholly from L2's host RAM: several times faster than L3 on a GPU
+        #: build, so one shared rate would make L3's cost refuse L2 hits that beat a prefill
+        self.ram_restore_seconds_per_byte: float | None = None
         self._lock = threading.Lock()
 
     def _ewma(self, old: float | None, sample: float) -> float:
@@ -48,14 +53,20 @@ class CostModel:
                 self.prefill_seconds_per_token, seconds / tokens
             )
 
-    def observe_restore(self, n_bytes: int, seconds: float) -> None:
-        """Record a restore (read + assemble + set_data) of ``n_bytes`` that took ``seconds``."""
+    def observe_restore(self, n_bytes: int, seconds: float, *, ram: bool = False) -> None:
+        """Record a restore (read + assemble + set_data) of ``n_bytes`` that took ``seconds``;
+        ``ram``: every page came from L2."""
         if n_bytes <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         with self._lock:
-            self.restore_seconds_per_byte = self._ewma(
-                self.restore_seconds_per_byte, seconds / n_bytes
-            )
+            if ram:
+                self.ram_restore_seconds_per_byte = self._ewma(
+                    self.ram_restore_seconds_per_byte, seconds / n_bytes
+                )
+            else:
+                self.restore_seconds_per_byte = self._ewma(
+                    self.restore_seconds_per_byte, seconds / n_bytes
+                )
 
     @property
     def measured(self) -> bool:
@@ -69,9 +80,10 @@ class CostModel:
         rate = self.prefill_seconds_per_token
         return None if rate is None else rate * tokens
 
-    def restore_cost(self, n_bytes: int) -> float | None:
-        """Estimated seconds to restore ``n_bytes`` of pages, or None before any measurement."""
-        rate = self.restore_seconds_per_byte
+    def restore_cost(self, n_bytes: int, *, ram: bool = False) -> float | None:
+        """Estimated seconds to restore ``n_bytes`` of pages (``ram``: all from L2), or None
+        before any such restore was measured."""
+        rate = self.ram_restore_seconds_per_byte if ram else self.restore_seconds_per_byte
         return None if rate is None else rate * n_bytes
 
 

@@ -169,7 +169,7 @@ class PrefixCache:
             disk.add_removal_listener(ram.invalidate)
 
     def lookup(
-        self, tokens: Tokens, limit: int, live: int, *, append: bool = False
+        self, tokens: Tokens, limit: int, live: int, *, append: bool = False, granule: int = 1
     ) -> LookupResult:
         """Find the longest prefix of ``tokens[:limit]`` that beats the ``live`` sequence's match.
 
@@ -177,9 +177,14 @@ class PrefixCache:
         that their logits are fresh and computed as a cold prefill would. L2/L3 are consulted
         only when they could beat L1. With ``append`` (the runtime can append-import) a deeper
         hit keeps the L1 prefix and reads only the pages beyond it (an append plan).
+
+        The result is a multiple of ``granule`` tokens (the runtime's canonical batch boundary,
+        see ``SkippyLlama.granule``; ``live`` already is one): what the hit counters and the
+        trace see is what the runtime can serve, and no page is read only to be cut off.
         """
         started = time.perf_counter()
         self.counters.lookups += 1
+        limit -= limit % granule
         best = LookupResult("l1" if live > 0 else "cold", live)
         if limit > live:
             resident = self.lookup_resident(tokens, limit)
@@ -188,10 +193,11 @@ class PrefixCache:
         notes: tuple[str, ...] = ()
         if self.disk is not None and self.disk.serving and limit - best.n_tokens >= 1:
             base = best if append and best.n_tokens > 0 else None
-            deep = self._deep_lookup(tokens, limit, best.n_tokens, base)
+            deep = self._deep_lookup(tokens, limit, best.n_tokens, base, granule)
             if deep is not None and deep.n_tokens > best.n_tokens:
                 best = deep
             notes = deep.fallbacks if deep is not None else ()
+        best = best.truncated(best.n_tokens - best.n_tokens % granule)
         if self.trace is not None:
             costs = self.admission.costs if self.admission is not None else None
             self.trace.lookup(self.root, tokens, limit, best.n_tokens, best.tier, costs)
@@ -246,20 +252,27 @@ class PrefixCache:
         return _Path(steps, parent)
 
     def _deep_lookup(
-        self, tokens: Tokens, limit: int, floor: int, base: LookupResult | None = None
+        self,
+        tokens: Tokens,
+        limit: int,
+        floor: int,
+        base: LookupResult | None = None,
+        granule: int = 1,
     ) -> LookupResult | None:
-        """L2/L3 pages of the longest stored path, if it beats ``floor`` tokens.
+        """L2/L3 pages of the longest stored path, if it beats ``floor`` tokens by a granule.
 
         With ``base`` (an L1 hit of ``floor`` tokens the runtime can continue by append import)
         only the pages reaching past ``floor`` are read, and the result is an append plan.
         """
         assert self.disk is not None
         path = self._walk(tokens, limit)
-        if path.n_tokens <= floor:
+        usable = path.n_tokens - path.n_tokens % granule
+        if usable <= floor:
             if not path.steps:
                 self.disk.note_miss()
             return None
-        if not self._restore_pays(path.n_tokens, floor, appended=base is not None):
+        in_ram = self.ram is not None and all(step.key in self.ram for step in path.steps)
+        if not self._restore_pays(usable, floor, appended=base is not None, ram=in_ram):
             self.counters.restores_skipped += 1
             return None
         steps = path.steps
@@ -313,16 +326,18 @@ class PrefixCache:
             )
         return result
 
-    def _restore_pays(self, n_tokens: int, floor: int, *, appended: bool = False) -> bool:
+    def _restore_pays(
+        self, n_tokens: int, floor: int, *, appended: bool = False, ram: bool = False
+    ) -> bool:
         """Whether restoring ``n_tokens`` from L2/L3 beats prefilling the ``n_tokens - floor``
         it saves, by this machine's measured costs (a restore rebuilds the whole prefix, an
-        append only the part past ``floor``). Until both costs are measured, restores go ahead:
-        that is how they get measured."""
+        append only the part past ``floor``; ``ram``: every page is in L2, which has its own
+        rate). Until both costs are measured, restores go ahead: that is how they get measured."""
         costs = self.admission.costs if self.admission is not None else None
         if costs is None or self.bytes_per_token <= 0:
             return True
         moved = n_tokens - floor if appended else n_tokens
-        restore = costs.restore_cost(moved * self.bytes_per_token)
+        restore = costs.restore_cost(moved * self.bytes_per_token, ram=ram)
         cold = costs.cold_cost(n_tokens - floor)
         return restore is None or cold is None or restore < cold
 

@@ -416,8 +416,9 @@ class SkippyLlama(llama_cpp.Llama):
         self._exact = live
         if self._need_rows:
             return  # prompt logprobs need a computed row for every prompt token
-        found = self.prefix_cache.lookup(tokens, limit, live, append=self._can_append())
-        found = found.truncated(self._aligned(found.n_tokens))
+        found = self.prefix_cache.lookup(
+            tokens, limit, live, append=self._can_append(), granule=self.granule
+        )
         event.lookup_ms = found.lookup_s * 1e3
         event.fallbacks.extend(found.fallbacks)
         started = time.perf_counter()
@@ -517,7 +518,7 @@ class SkippyLlama(llama_cpp.Llama):
         if self.prefix_cache.admission is not None:
             # the whole restore, reads and decompression in the lookup included
             self.prefix_cache.admission.costs.observe_restore(
-                size, time.perf_counter() - started + found.lookup_s
+                size, time.perf_counter() - started + found.lookup_s, ram=found.tier == "l2"
             )
 
     def _place_base(self, found: LookupResult) -> None:

@@ -149,7 +149,9 @@ def test_chat_turns_grow_cached_tokens_and_equal_direct_calls(
             cached[user].append(got.usage.prompt_tokens_details.cached_tokens)
             history.append({"role": "assistant", "content": text})
     for user, seen in cached.items():
-        assert seen[1] > seen[0] and seen[2] > seen[1], (user, seen)
+        assert seen[0] < seen[1] <= seen[2], (user, seen)
+        # reuse ends on whole granules on GPU builds: one short turn may not reach the next
+        assert seen[2] > seen[1] or direct.granule > 1, (user, seen)
 
 
 def test_streaming_equals_non_streaming_with_usage_chunk(server: ServerProcess) -> None:

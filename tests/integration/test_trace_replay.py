@@ -57,6 +57,10 @@ def test_replayed_trace_matches_live_l3_hits(smollm2_path: Path, tmp_path: Path)
                 assert disk.flush(30)
         trace = llm.prefix_cache.trace
         assert trace is not None
+        # a GPU build may measure a restore dearer than its prefill and serve cold (the replay
+        # applies the same rule with the rates the trace carries)
+        skipped = llm.prefix_cache.counters.restores_skipped
+        assert not skipped or llm.granule > 1  # never on the CPU with flash attention off
         trace.close()
     finally:
         llm.close()
@@ -67,7 +71,7 @@ def test_replayed_trace_matches_live_l3_hits(smollm2_path: Path, tmp_path: Path)
     assert len(lookups) == len(live) == 9
     assert len(events) == 18  # a record line per request, also when L3 held it all
     assert [(e.tier, e.hit_tokens) for e in lookups] == live
-    assert sum(n for tier, n in live if tier == "l3") > 0
+    assert sum(n for tier, n in live if tier == "l3") > 0 or skipped
 
     sim = Simulator(1 << 30, LruPolicy(), low_watermark=1.0)
     replayed = [sim.step(e) for e in events]
@@ -76,7 +80,7 @@ def test_replayed_trace_matches_live_l3_hits(smollm2_path: Path, tmp_path: Path)
         # the replay counts whole aligned pages; the live store also uses the head of a page
         # where a prompt branches off inside it: at most one page less, never more
         assert 0 <= hit - sim_hit < PAGE, (tier, hit, sim_hit)
-    assert sum(served) >= 3 * PAGE
+    assert sum(served) >= 3 * PAGE or skipped
 
     # safe to share: no token ids, no text
     allowed = {

@@ -177,3 +177,55 @@ def test_a_restore_the_measured_costs_say_is_slower_than_a_prefill_is_skipped(
     fast.costs.observe_restore(1 << 20, 1e-6)
     cache.admission = fast
     assert cache.lookup(tokens, 298, 0).tier == "l3"
+
+
+def test_a_lookup_serves_whole_granules_and_counts_only_what_it_serves(
+    cache: PrefixCache,
+) -> None:
+    record(cache, prompt(300, 600, seed=1))
+    branch = prompt(300, 600, seed=2)  # shares 300 tokens: two whole pages and 44 of the third
+    assert served(cache, branch, 599)[0] == 300
+    found = cache.lookup(branch, 599, live=0, granule=64)
+    assert found.n_tokens == 256 and found.uses == (128, 128)  # the third page is not read
+    assert bytes(assemble([page_from_bytes(p) for p in found.payloads], STATE.layout)) == bytes(
+        build_state(CONTENT, 256).data
+    )
+    hits = cache.counters.hits["l3"]
+    # a hit shorter than one granule is a miss: not counted, nothing read
+    short = prompt(50, 600, seed=3)
+    found = cache.lookup(short, 599, live=0, granule=64)
+    assert found.tier == "cold" and found.n_tokens == 0 and not found.payloads
+    assert cache.counters.hits["l3"] == hits
+    assert served(cache, short, 599)[0] == 50  # token-granular, the same lookup hits
+
+
+def test_l2_restores_are_weighed_at_their_own_rate(tmp_path: Path) -> None:
+    """A slow L3 rate must not refuse a hit served wholly from L2 (host RAM), and the reverse."""
+    from skippy_llama.admission import AdmissionPolicy
+    from skippy_llama.tiers.ram import RamTier
+
+    settings = L3Settings(
+        mode="fixed", budget="1GiB", directory=tmp_path / "l3", minimum_free="1GiB"
+    )
+    disk = DiskTier(settings, disk_free=lambda _p: 1 << 40, close_at_exit=False)
+    ram = RamTier(64 << 20, large_prefix_tokens=1)  # a first fill is promoted
+    cache = PrefixCache(identity=IDENTITY, page_tokens=128, resident=None, disk=disk, ram=ram)
+    try:
+        cache.admission = AdmissionPolicy()
+        cache.bytes_per_token = STATE.layout.bytes_per_token
+        tokens = prompt(300, 300, seed=1)
+        record(cache, tokens)
+        costs = cache.admission.costs
+        costs.observe_prefill(1000, 0.001)  # 1 µs a token
+        costs.observe_restore(1 << 20, 1e-6)  # L3 fast for now
+        assert cache.lookup(tokens, 298, 0).tier == "l3"  # the pages are now in L2 too
+        costs.restore_seconds_per_byte = 1.0 / (1 << 20)  # L3 now 1 s a MiB: far slower
+        assert cache.lookup(tokens, 298, 0).tier == "l2"  # L2 not measured yet: restore
+        costs.observe_restore(1 << 20, 1e-6, ram=True)
+        assert cache.lookup(tokens, 298, 0).tier == "l2"
+        assert cache.counters.restores_skipped == 0
+        costs.ram_restore_seconds_per_byte = 1.0 / (1 << 20)
+        assert cache.lookup(tokens, 298, 0).tier == "cold"
+        assert cache.counters.restores_skipped == 1
+    finally:
+        disk.close()

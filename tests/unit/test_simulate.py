@@ -249,3 +249,20 @@ def test_reuse_policy_object_drives_the_simulator_directly() -> None:
     by_name = simulate(events, 32 * MiB, "reuse")
     by_object = simulate(events, 32 * MiB, ReusePolicy(32 * MiB))
     assert by_name == by_object
+
+
+def test_a_restore_dearer_than_its_prefill_is_served_cold_as_live() -> None:
+    """One page of 10 tokens and 1,000 bytes, looked up twice: at rates where the restore loses
+    (a GPU build) the replay serves it cold and touches no page, as the live store does."""
+    record = RecordEvent(0.0, ("a",), (10,), (1000,), 10)
+
+    def lookup(prefill: float | None, restore: float | None) -> LookupEvent:
+        return LookupEvent(0.0, ("a",), (10,), 11, 0, "cold", prefill, restore)
+
+    sim = Simulator(1 << 20, LruPolicy())
+    sim.step(record)
+    assert sim.step(lookup(1e-3, 1e-4)) == 0  # restore 0.1 s > prefill 0.01 s
+    assert sim.pages["a"].hits == 0
+    assert sim.step(lookup(1e-3, 1e-6)) == 10  # restore 1 ms < prefill 10 ms
+    assert sim.step(lookup(None, 1e-4)) == 10  # not measured yet: restores go ahead
+    assert sim.pages["a"].hits == 2

@@ -10,8 +10,9 @@ the budget is exceeded. Evicting a page takes the pages stored after it along (t
 unreachable); ties go deepest first.
 
 Seconds saved by a hit are ``tokens x prefill rate - bytes x restore rate``, with the rates the
-trace measured last (every policy is charged the same rates). The replay counts page-aligned
-matches only: the live store also reuses the head of a page where a prompt branches off inside
+trace measured last (every policy is charged the same rates). A hit the live store would not
+have restored (by the rates it had measured at that lookup, the restore costs more than the
+prefill it saves: GPU builds) is served cold, as live. The replay counts page-aligned matches only: the live store also reuses the head of a page where a prompt branches off inside
 it, so a replay may find up to one page fewer per lookup than the live run did.
 """
 
@@ -131,6 +132,16 @@ class OptimalPolicy:
         return None
 
 
+def _restore_pays(event: LookupEvent, tokens: int, restored: int) -> bool:
+    """The live store's rule (``PrefixCache._restore_pays``) with the rates it had measured at
+    this lookup: a restore dearer than the prefill it saves is not made. Until both rates are
+    measured, restores go ahead, as they do live."""
+    prefill, restore = event.prefill_s_per_token, event.restore_s_per_byte
+    if prefill is None or restore is None:
+        return True
+    return restored * restore < tokens * prefill
+
+
 class Simulator:
     """A simulated L3 store driven by trace events (see the module docstring)."""
 
@@ -183,15 +194,19 @@ class Simulator:
         self._lookups += 1
         self._prompt += sum(event.tokens)
         self._live_hits += event.hit_tokens
-        tokens = restored = 0
+        found: list[_Page] = []
         for key in event.keys:
             page = self.pages.get(key)
             if page is None:
                 break
+            found.append(page)
+        tokens = sum(page.n_tokens for page in found)
+        restored = sum(page.size for page in found)
+        if not _restore_pays(event, tokens, restored):
+            return 0  # the live store prefills such a prompt cold, touching no page
+        for page in found:
             page.hits += 1
             page.last_used = self.now
-            tokens += page.n_tokens
-            restored += page.size
         if tokens:
             self._hit_lookups += 1
             self._saved_tokens += tokens
