@@ -830,6 +830,7 @@ class SkippyLlama(llama_cpp.Llama):
                 "fallbacks": dict(counters.fallbacks),
                 "parked": counters.parked,
                 "records": counters.records,
+                "restores_skipped": counters.restores_skipped,
             },
         }
 

@@ -48,6 +48,8 @@ class TierSnapshot:
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
+    #: hits served cold because the measured costs said the restore would lose to a prefill
+    restores_skipped: int = 0
 
     def counters_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,7 @@ class TierSnapshot:
             "hits": dict(self.hits),
             "misses": self.misses,
             "fallbacks": dict(self.fallbacks),
+            "restores_skipped": self.restores_skipped,
         }
 
 
@@ -105,6 +108,7 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
         hits=_copy_counter(counters.hits),
         misses=counters.misses,
         fallbacks=_copy_counter(counters.fallbacks),
+        restores_skipped=counters.restores_skipped,
     )
 
 

@@ -148,7 +148,12 @@ def test_chat_turns_grow_cached_tokens_and_equal_direct_calls(
             assert text == want["choices"][0]["message"]["content"]
             cached[user].append(got.usage.prompt_tokens_details.cached_tokens)
             history.append({"role": "assistant", "content": text})
+    skipped = _get(server, "/v1/kv-cache/status")["process"]["restores_skipped"]
+    assert not skipped or direct.granule > 1  # never on the CPU with flash attention off
     for user, seen in cached.items():
+        if skipped:
+            # a GPU build declined a checkpoint restore that its fast prefill beats
+            continue
         assert seen[0] < seen[1] <= seen[2], (user, seen)
         # reuse ends on whole granules on GPU builds: one short turn may not reach the next
         assert seen[2] > seen[1] or direct.granule > 1, (user, seen)
