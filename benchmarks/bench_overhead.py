@@ -1,9 +1,9 @@
 """Issue 16 benchmark: what SkippyLlama costs where it has nothing to gain over plain ``Llama``.
 
-Every workload runs for three modes side by side in one pytest session, each on a fresh model
-object: ``plain`` (``llama_cpp.Llama``, which already reuses the prefix live in its context),
-``skippy`` (``SkippyLlama`` with default settings: L1 on, L2 and L3 off) and ``skippy_l3``
-(``SkippyLlama`` with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
+Every workload runs for three modes in one pytest session, each on a fresh model object:
+``plain`` (``llama_cpp.Llama``, which already reuses the prefix live in its context), ``skippy``
+(``SkippyLlama`` with default settings: L1 on, L2 and L3 off) and ``skippy_l3`` (``SkippyLlama``
+with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
 
 * ``chat``: one linear chat (``create_chat_completion``), each turn a ~150-token user message
   and a 48-token greedy reply, growing past 3,000 tokens at 16 turns;
@@ -12,16 +12,38 @@ object: ``plain`` (``llama_cpp.Llama``, which already reuses the prefix live in 
 * ``continue``: one ~2,000-token raw prompt, then short continuations, each prompt the previous
   prompt + its reply + ~40 new tokens (``create_completion``, 32 tokens each).
 
-pytest-benchmark times ``SKIPPY_BENCH_ROUNDS`` rounds (default 3) per (workload, mode), each the
-total wall time of all requests of a fresh model (loading is outside the timing; ``close()`` is
-timed apart as ``close_s``, it waits for the L3 writer). ``extra_info`` holds each request's
-fastest time over the rounds (so a burst of other work on a shared machine, which slows one
-round, does not decide a ratio), each round's total, the ratios to ``plain`` of the same
-workload (the plain test runs first), the summed ``last_cache_event`` steps, and, for the
-SkippyLlama modes of ``chat`` (or every workload with ``SKIPPY_BENCH_PROFILE=all``), a cProfile
-breakdown of a second, untimed run on another fresh model: inclusive time of the runtime's steps,
-grouped by substrings of function names (see ``PROFILE_GROUPS``) so renamed or removed methods
-just count zero. Replies are compared with the plain mode's; a difference fails the test.
+Rounds are interleaved: on a shared 2-core machine the speed drifts by 7-10 % over minutes, so
+running all rounds of one mode before the next let drift decide a ratio (the same chat measured
+1.14x and 1.01x plain within an hour). Each test is one round of one mode (``CASES``, parametrized
+as (workload, round, mode)): per workload, round ``r`` runs the three modes back to back in an
+order rotated by ``r`` (``round_order``: plain/skippy/skippy_l3, then skippy/skippy_l3/plain, ...,
+so no mode always runs first or last) before round ``r + 1`` starts. A round is every request of
+the workload on a fresh model (and a fresh L3 directory, so a round never reuses an earlier
+round's pages), timed by pytest-benchmark (``pedantic``, one round, one iteration; building the
+model is its setup, outside the timing); ``close()`` is timed apart as ``close_s`` (it waits for
+the L3 writer). ``SKIPPY_BENCH_ROUNDS`` rounds (default 5).
+
+Each test's ``extra_info`` holds that round's per-request wall times, their total, and the same
+in process CPU time (``time.process_time()`` deltas: user + sys of every thread of the process,
+i.e. llama.cpp's decode threads, the L3 writer and Python). The CPU time is a second view, not a
+replacement: on shared cores the time a thread waits for a core taken by other work inflates
+wall time but not CPU time, so CPU ratios are harder for drift to decide; but CPU time misses
+waiting that SkippyLlama causes itself (I/O, locks) and counts work off the caller's path (the L3
+writer thread) that costs no wall time on idle cores, and threads that spin while waiting for
+each other (ggml's thread pool does) accrue CPU time while a core is taken from their partner,
+so under heavy contention CPU time grows with wall time too (the table's CPU ÷ wall column shows
+it). Both are reported. The ratios are computed by ``overhead_table.py`` from the rounds: per
+round, a mode's total over plain's total of the same round, summarized as the median over rounds
+with min-max (wall and CPU, total and last request); and the older view, each request's fastest
+round summed, over plain's. ``extra_info`` also holds
+the summed ``last_cache_event`` steps. Every round's replies are compared with plain's (its
+round 0, which runs first); a difference fails the test.
+
+After the timed tests, ``test_profile`` runs, for the SkippyLlama modes of ``chat`` (every workload
+with ``SKIPPY_BENCH_PROFILE=all``, none with ``off``), a cProfile breakdown of one untimed run
+on another fresh model (its pytest-benchmark time includes loading and cProfile's cost; only its
+``extra_info`` matters): inclusive time of the runtime's steps, grouped by substrings of function
+names (see ``PROFILE_GROUPS``) so renamed or removed methods just count zero.
 
 Usage (``SKIPPY_BENCH_QUICK=1``: 6 turns, 3 documents, 3 continuations)::
 
@@ -32,7 +54,6 @@ Usage (``SKIPPY_BENCH_QUICK=1``: 6 turns, 3 documents, 3 continuations)::
 from __future__ import annotations
 
 import cProfile
-import dataclasses
 import os
 import pstats
 import random
@@ -67,8 +88,8 @@ PROFILE_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 QUICK = os.environ.get("SKIPPY_BENCH_QUICK", "") not in ("", "0")
-#: rounds per (workload, mode); ratios use each request's fastest round
-ROUNDS = int(os.environ.get("SKIPPY_BENCH_ROUNDS", "3"))
+#: rounds per workload, each running every mode once (``round_order``)
+ROUNDS = int(os.environ.get("SKIPPY_BENCH_ROUNDS", "5"))
 PROFILE = os.environ.get("SKIPPY_BENCH_PROFILE", "chat")  # "chat", "all" or "off"
 N_CTX = 4096
 
@@ -164,12 +185,30 @@ def text_of(tokenize: Callable[[str], list[int]], n_tokens: int, seed: int) -> s
             return text
 
 
+@dataclass(frozen=True)
+class Stamp:
+    """A point in wall time and in the process's CPU time (user + sys of all its threads)."""
+
+    wall: float
+    cpu: float
+
+    @staticmethod
+    def now() -> Stamp:
+        return Stamp(time.perf_counter(), time.process_time())
+
+    def since(self) -> tuple[float, float]:
+        """Wall and CPU seconds from this stamp to now."""
+        now = Stamp.now()
+        return now.wall - self.wall, now.cpu - self.cpu
+
+
 @dataclass
 class Run:
-    """What one mode did on one workload."""
+    """What one mode did on one workload in one round."""
 
     replies: list[str] = field(default_factory=list)
     request_s: list[float] = field(default_factory=list)
+    request_cpu_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     last_token_s: list[float] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -183,15 +222,17 @@ def _tokenizer(llm: llama_cpp.Llama) -> Callable[[str], list[int]]:
     return tokenize
 
 
-def _note(llm: llama_cpp.Llama, run: Run, started: float) -> None:
-    run.request_s.append(time.perf_counter() - started)
+def _note(llm: llama_cpp.Llama, run: Run, started: Stamp) -> None:
+    wall, cpu = started.since()
+    run.request_s.append(wall)
+    run.request_cpu_s.append(cpu)
     run.context_tokens.append(llm.n_tokens)
     event = getattr(llm, "last_cache_event", None)
     if event is not None:
         run.events.append(event.to_dict())
 
 
-def _stream_reply(chunks: Iterator[Any], run: Run, started: float) -> str:
+def _stream_reply(chunks: Iterator[Any], run: Run, started: Stamp) -> str:
     parts: list[str] = []
     first = last = None
     for chunk in chunks:
@@ -201,8 +242,8 @@ def _stream_reply(chunks: Iterator[Any], run: Run, started: float) -> str:
             first = now if first is None else first
             last = now
             parts.append(content)
-    run.ttft_s.append((first or time.perf_counter()) - started)
-    run.last_token_s.append((last or time.perf_counter()) - started)
+    run.ttft_s.append((first or time.perf_counter()) - started.wall)
+    run.last_token_s.append((last or time.perf_counter()) - started.wall)
     return "".join(parts)
 
 
@@ -219,7 +260,7 @@ def run_chat(llm: llama_cpp.Llama, *, stream: bool) -> Run:
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a concise assistant."}]
     for message in chat_messages(_tokenizer(llm), SIZES.chat_turns):
         history.append({"role": "user", "content": message})
-        started = time.perf_counter()
+        started = Stamp.now()
         result: Any = llm.create_chat_completion(
             messages=history,  # type: ignore[arg-type]
             max_tokens=SIZES.reply_tokens,
@@ -247,7 +288,7 @@ def documents(tokenize: Callable[[str], list[int]]) -> list[str]:
 def run_oneshot(llm: llama_cpp.Llama) -> Run:
     run = Run()
     for prompt in documents(_tokenizer(llm)):
-        started = time.perf_counter()
+        started = Stamp.now()
         result: Any = llm.create_completion(
             prompt, max_tokens=SIZES.oneshot_tokens, temperature=0.0
         )
@@ -269,7 +310,7 @@ def run_continue(llm: llama_cpp.Llama) -> Run:
     prompt = ""
     for part in continuation_parts(_tokenizer(llm)):
         prompt += part
-        started = time.perf_counter()
+        started = Stamp.now()
         result: Any = llm.create_completion(
             prompt, max_tokens=SIZES.continue_reply_tokens, temperature=0.0
         )
@@ -345,80 +386,98 @@ def _event_sums(events: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(sum(float(e.get(k, 0)) for e in events), 3) for k in keys}
 
 
-#: plain mode's run per workload, for ratios and the equality check of the later modes
-_PLAIN: dict[str, Run] = {}
+def round_order(round_index: int) -> tuple[str, ...]:
+    """The modes in the order round ``round_index`` runs them: ``MODES`` rotated by the round.
+
+    Rotating (ABC, BCA, CAB, ...) puts every mode in every position over the rounds, so what a
+    position costs (the previous test's memory freed, caches warm or cold) does not always land
+    on the same mode.
+    """
+    shift = round_index % len(MODES)
+    return MODES[shift:] + MODES[:shift]
+
+
+#: (workload, round, mode) in run order: per workload, round-major, modes rotated per round
+CASES = [(w, r, m) for w in WORKLOADS for r in range(ROUNDS) for m in round_order(r)]
+
+#: per workload, the first test's replies and which test it was, for the equality checks
+_REPLIES: dict[str, tuple[str, list[str]]] = {}
+
+
+def _check_replies(workload: str, test: str, replies: list[str]) -> None:
+    """Every round of every mode must reply as the workload's first test did: plain ``Llama``'s
+    round 0 (another test only when that one is deselected, e.g. with ``-k``)."""
+    first, reference = _REPLIES.setdefault(workload, (test, replies))
+    assert replies == reference, f"{workload}: {test} replies differ from {first}'s"
+
+
+def _r(values: list[float]) -> list[float]:
+    return [round(v, 4) for v in values]
 
 
 @pytest.mark.parametrize(
-    ("workload", "mode"), [(w, m) for w in WORKLOADS for m in MODES], ids=lambda v: str(v)
+    ("workload", "round_index", "mode"), CASES, ids=[f"{w}-r{r}-{m}" for w, r, m in CASES]
 )
-def test_overhead(benchmark: Any, workload: str, mode: str) -> None:
-    """``ROUNDS`` rounds: every request of ``workload`` on a fresh ``mode`` model (and a fresh L3
-    directory, so a round never reuses an earlier round's pages), timed in total."""
+def test_overhead(benchmark: Any, workload: str, round_index: int, mode: str) -> None:
+    """One round of ``workload`` on a fresh ``mode`` model (and a fresh L3 directory): every
+    request, timed in total; ``close()`` timed apart."""
     benchmark.group = workload
-    runs: list[Run] = []
-    close_s: list[float] = []
     held: list[tuple[llama_cpp.Llama, tempfile.TemporaryDirectory[str]]] = []
-
-    def release() -> None:
-        while held:
-            llm, tmp = held.pop()
-            started = time.perf_counter()
-            llm.close()
-            close_s.append(time.perf_counter() - started)
-            tmp.cleanup()
+    runs: list[Run] = []
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        release()
         tmp = tempfile.TemporaryDirectory(prefix="skippy-overhead-l3-")
         held.append((make_model(mode, Path(tmp.name)), tmp))
         return (held[-1][0],), {}
 
-    def one_round(llm: llama_cpp.Llama) -> Run:
+    def one_round(llm: llama_cpp.Llama) -> None:
         runs.append(RUNNERS[workload](llm))
-        return runs[-1]
 
-    benchmark.pedantic(one_round, setup=setup, rounds=ROUNDS, iterations=1)
-    release()
-    # the fastest round per request: a burst of other work on the machine slows one round of
-    # one mode, never all of them (the ratios compare these minima, side by side)
-    run = dataclasses.replace(
-        runs[0], request_s=[min(times) for times in zip(*(r.request_s for r in runs), strict=True)]
-    )
-    if run.ttft_s:
-        run.ttft_s = [min(t) for t in zip(*(r.ttft_s for r in runs), strict=True)]
-        run.last_token_s = [min(t) for t in zip(*(r.last_token_s for r in runs), strict=True)]
-    for other in runs[1:]:
-        assert other.replies == runs[0].replies, f"{mode}: a round's replies differ from round 1"
+    started_unix = time.time()
+    benchmark.pedantic(one_round, setup=setup, rounds=1, iterations=1)
+    ((llm, tmp),) = held
+    (run,) = runs
+    closing = Stamp.now()
+    llm.close()
+    close_s, close_cpu_s = closing.since()
+    tmp.cleanup()
 
-    total = sum(run.request_s)
     info: dict[str, Any] = {
         "workload": workload,
+        "round": round_index,
         "mode": mode,
+        "position": round_order(round_index).index(mode),
+        "started_unix": round(started_unix, 3),
         "quick": QUICK,
         "sizes": SIZES.__dict__,
-        "rounds": len(runs),
-        "total_s": round(total, 4),
-        "round_totals_s": [round(sum(r.request_s), 4) for r in runs],
+        "total_s": round(sum(run.request_s), 4),
+        "cpu_s": round(sum(run.request_cpu_s), 4),
         "last_request_s": round(run.request_s[-1], 4),
-        "close_s": round(max(close_s), 4),
-        "request_s": [round(s, 4) for s in run.request_s],
+        "last_request_cpu_s": round(run.request_cpu_s[-1], 4),
+        "close_s": round(close_s, 4),
+        "close_cpu_s": round(close_cpu_s, 4),
+        "request_s": _r(run.request_s),
+        "request_cpu_s": _r(run.request_cpu_s),
         "context_tokens": run.context_tokens,
     }
     if run.ttft_s:
-        info["ttft_s"] = [round(s, 4) for s in run.ttft_s]
-        info["last_token_s"] = [round(s, 4) for s in run.last_token_s]
+        info["ttft_s"] = _r(run.ttft_s)
+        info["last_token_s"] = _r(run.last_token_s)
     if run.events:
         info["events"] = _event_sums(run.events)
         info["last_event"] = run.events[-1]
-    if mode == "plain":
-        _PLAIN[workload] = run
-    elif workload in _PLAIN:
-        plain = _PLAIN[workload]
-        info["ratio_total"] = round(total / sum(plain.request_s), 4)
-        info["ratio_last"] = round(run.request_s[-1] / plain.request_s[-1], 4)
-        if PROFILE in ("all", workload):
-            info["profile"] = profiled(mode, workload)
     benchmark.extra_info.update(info)
-    if mode != "plain" and workload in _PLAIN:
-        assert run.replies == _PLAIN[workload].replies, f"{mode} replies differ from plain Llama"
+    _check_replies(workload, f"r{round_index} {mode}", run.replies)
+
+
+PROFILED = [(w, m) for w in WORKLOADS for m in MODES if m != "plain" and PROFILE in ("all", w)]
+
+
+@pytest.mark.parametrize(("workload", "mode"), PROFILED, ids=[f"{w}-{m}" for w, m in PROFILED])
+def test_profile(benchmark: Any, workload: str, mode: str) -> None:
+    """The cProfile breakdown of one run of ``workload`` on a fresh ``mode`` model, after the
+    timed tests; pytest-benchmark's time here includes loading and cProfile's own cost, so it is
+    no overhead figure (``extra_info`` holds the breakdown)."""
+    benchmark.group = f"{workload} (profiled)"
+    profile = benchmark.pedantic(profiled, args=(mode, workload), rounds=1, iterations=1)
+    benchmark.extra_info.update({"workload": workload, "mode": mode, "profile": profile})
