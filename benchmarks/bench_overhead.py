@@ -1,7 +1,9 @@
 """Issue 16 benchmark: what SkippyLlama costs where it has nothing to gain over plain ``Llama``.
 
-Every workload runs for three modes in one pytest session, each on a fresh model object:
-``plain`` (``llama_cpp.Llama``, which already reuses the prefix live in its context), ``skippy``
+Every workload runs for four modes in one pytest session, each on a fresh model object:
+``plain`` (``llama_cpp.Llama``, which already reuses the prefix live in its context),
+``plain_exact`` (the same, but reusing only the previous prompt's cells, not its reply's: what
+exactness costs without any cache, see ``PromptReuseLlama``), ``skippy``
 (``SkippyLlama`` with default settings: L1 on, L2 and L3 off) and ``skippy_l3`` (``SkippyLlama``
 with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
 
@@ -71,7 +73,7 @@ from skippy_llama.config import Settings
 from skippy_llama.models import default_model_path
 from skippy_llama.runtime.llama import SkippyLlama
 
-MODES = ("plain", "skippy", "skippy_l3")
+MODES = ("plain", "plain_exact", "skippy", "skippy_l3")
 WORKLOADS = ("chat", "chat_stream", "oneshot", "continue")
 
 #: Profile groups: a function belongs to a group when it lives in skippy_llama and its name
@@ -329,6 +331,24 @@ RUNNERS: dict[str, Callable[[llama_cpp.Llama], Run]] = {
 }
 
 
+class PromptReuseLlama(llama_cpp.Llama):
+    """Plain ``Llama`` that reuses only the previous request's prompt cells, never its reply's.
+
+    The cells of a reply were decoded one token at a time, and llama.cpp's single-row kernels
+    give them other low bits than the batched prefill a cold prompt gets; SkippyLlama therefore
+    prefills a previous reply again as part of the next prompt (see ``SkippyLlama._repair``).
+    This mode pays the same, with no cache at all: SkippyLlama over it is what the cache costs,
+    and it over plain is what exactness costs.
+    """
+
+    _prompt_tokens = 0
+
+    def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        self.n_tokens = min(self.n_tokens, self._prompt_tokens)
+        self._prompt_tokens = len(tokens)
+        return super().generate(tokens, *args, **kwargs)
+
+
 def make_model(mode: str, l3_dir: Path) -> llama_cpp.Llama:
     """A fresh model object of ``mode``, default threads, greedy-deterministic."""
     common: dict[str, Any] = {"n_ctx": N_CTX, "verbose": False, "seed": 1}
@@ -338,6 +358,8 @@ def make_model(mode: str, l3_dir: Path) -> llama_cpp.Llama:
     path = str(default_model_path())
     if mode == "plain":
         return llama_cpp.Llama(path, **common)
+    if mode == "plain_exact":
+        return PromptReuseLlama(path, **common)
     if mode == "skippy":
         return SkippyLlama(path, cache_settings=Settings(), **common)
     l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(l3_dir), "minimum_free": "1GiB"}
