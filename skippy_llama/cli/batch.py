@@ -85,8 +85,8 @@ def handle(args: argparse.Namespace) -> int:
 
     kwargs: dict[str, Any] = {"n_ctx": args.n_ctx, "verbose": False}
     kwargs.update(resolution.llama_kwargs())
-    if resolution.type_v not in ("F16", "F32", "BF16"):
-        kwargs["flash_attn"] = True  # llama.cpp needs flash attention for a quantized V cache
+    if resolution.needs_flash_attn:
+        kwargs["flash_attn"] = True
     if args.threads:
         kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
     path = package.gguf_path if package is not None else resolve_model_path(args.model)

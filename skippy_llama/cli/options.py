@@ -162,6 +162,6 @@ def model_kwargs(resolution: KVDtypeResolution, n_ctx: int) -> dict[str, Any]:
     """
     kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "seed": 1}
     kwargs.update(resolution.llama_kwargs())
-    if resolution.type_v not in ("F16", "F32", "BF16"):
-        kwargs["flash_attn"] = True  # llama.cpp needs flash attention for a quantized V cache
+    if resolution.needs_flash_attn:
+        kwargs["flash_attn"] = True
     return kwargs

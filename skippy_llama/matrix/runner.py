@@ -79,8 +79,9 @@ def llama_kwargs(cfg: MatrixConfig, backend: Backend, kv: KVName) -> dict[str, A
         **resolution.llama_kwargs(),
         **backend.llama_kwargs,
     }
-    quantized_v = resolution.type_v not in ("F16", "F32", "BF16")
-    kwargs["flash_attn"] = cfg.flash_attn == "on" or (cfg.flash_attn == "auto" and quantized_v)
+    kwargs["flash_attn"] = cfg.flash_attn == "on" or (
+        cfg.flash_attn == "auto" and resolution.needs_flash_attn
+    )
     if cfg.threads:
         kwargs.update(n_threads=cfg.threads, n_threads_batch=cfg.threads)
     return kwargs

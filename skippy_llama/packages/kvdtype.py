@@ -130,6 +130,11 @@ class KVDtypeResolution:
         """ggml type id for llama-cpp-python's ``type_v``."""
         return GGML_TYPE_IDS[self.type_v]
 
+    @property
+    def needs_flash_attn(self) -> bool:
+        """A quantized V cache: llama.cpp builds one only with flash attention on."""
+        return self.type_v not in ("F16", "F32", "BF16")
+
     def llama_kwargs(self) -> dict[str, int]:
         """``{"type_k": id, "type_v": id}``, ready for ``llama_cpp.Llama(**kwargs)``."""
         return {"type_k": self.ggml_type_k, "type_v": self.ggml_type_v}

@@ -288,7 +288,7 @@ class SkippyLlama(llama_cpp.Llama):
         """
         package = load_package(path, verify_hashes=verify_hashes)
         resolution = package.resolve(type_k, type_v)
-        if resolution.type_v not in ("F16", "F32", "BF16") and "flash_attn" not in kwargs:
+        if resolution.needs_flash_attn and "flash_attn" not in kwargs:
             kwargs["flash_attn"] = True
         kwargs.update(resolution.llama_kwargs())
         llm = cls(str(package.gguf_path), **kwargs)

@@ -103,8 +103,8 @@ class SkippyLlamaProxy(LlamaProxy):  # type: ignore[misc]
         }
         resolution = self.source.kv_dtype
         kwargs.update(resolution.llama_kwargs())
-        if resolution.type_v not in ("F16", "F32", "BF16"):
-            kwargs["flash_attn"] = True  # llama.cpp needs flash attention for a quantized V cache
+        if resolution.needs_flash_attn:
+            kwargs["flash_attn"] = True
         llm = ServedLlama(self.source.path, cache_settings=self.cache.settings, **kwargs)
         llm.kv_dtype, llm.model_package = resolution, self.source.package
         return llm

@@ -42,6 +42,10 @@ class LayerLayout:
     def v_bytes_per_cell(self) -> int:
         return self.v_unit * self.v_embd if self.v_embd else self.v_unit
 
+    def digest_key(self) -> bytes:
+        """This layer's part of :meth:`KVLayout.digest` (never change: stored pages match it)."""
+        return f"|{self.k_type},{self.k_row},{self.v_type},{self.v_unit},{self.v_embd}".encode()
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -113,13 +117,9 @@ class KVLayout:
         h = xxhash.xxh3_128()
         h.update(f"{int(self.v_trans)}|{self.ext_bytes}".encode())
         for layer in self.layers:
-            h.update(
-                f"|{layer.k_type},{layer.k_row},{layer.v_type},{layer.v_unit},{layer.v_embd}".encode()
-            )
+            h.update(layer.digest_key())
         if self.swa_layers:
             h.update(b"|swa")
             for layer in self.swa_layers:
-                h.update(
-                    f"|{layer.k_type},{layer.k_row},{layer.v_type},{layer.v_unit},{layer.v_embd}".encode()
-                )
+                h.update(layer.digest_key())
         return h.hexdigest()

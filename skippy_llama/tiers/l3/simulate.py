@@ -12,8 +12,9 @@ unreachable); ties go deepest first.
 Seconds saved by a hit are ``tokens x prefill rate - bytes x restore rate``, with the rates the
 trace measured last (every policy is charged the same rates). A hit the live store would not
 have restored (by the rates it had measured at that lookup, the restore costs more than the
-prefill it saves: GPU builds) is served cold, as live. The replay counts page-aligned matches only: the live store also reuses the head of a page where a prompt branches off inside
-it, so a replay may find up to one page fewer per lookup than the live run did.
+prefill it saves: GPU builds) is served cold, as live. The replay counts page-aligned matches
+only: the live store also reuses the head of a page where a prompt branches off inside it, so a
+replay may find up to one page fewer per lookup than the live run did.
 """
 
 from __future__ import annotations
