@@ -40,6 +40,7 @@ def main(spec: dict[str, Any]) -> None:
         out["outputs"].append(done["choices"][0]["text"])
         event = llm.last_cache_event
         out["events"].append(None if event is None else event.to_dict())
+    out["restores_skipped"] = llm.prefix_cache.counters.restores_skipped
     if disk is not None:
         out["flushed"] = disk.flush(60)
         out["status"] = disk.status().to_json()

@@ -218,8 +218,11 @@ def repeat_point(worker: dict[str, Any], index: int) -> int:
 
 def later_tiers(worker: dict[str, Any], tier: str) -> set[str]:
     """Tiers a worker's later requests may report where they were expected to use ``tier``: with
-    canonical batching L1 can offer exactly as many tokens as L2/L3, and L1 wins a tie."""
-    return {tier} if worker["granule"] == 1 else {tier, "l1"}
+    canonical batching L1 can offer exactly as many tokens as L2/L3, and L1 wins a tie; and where
+    the process skipped a restore (its measured restore cost exceeded the prefill of the few tokens
+    the deeper tier added, as on a loaded machine), L1 served instead."""
+    tie = worker["granule"] > 1 or worker["restores_skipped"] > 0
+    return {tier, "l1"} if tie else {tier}
 
 
 def prompt_manifest(golden: dict[str, Any], store: Path, index: int) -> list[list[Any]]:
