@@ -101,6 +101,9 @@ class CacheCounters:
     records_skipped: int = 0
     #: L2/L3 hits served cold because the measured costs said the restore would be slower
     restores_skipped: int = 0
+    #: replies re-decoded between requests (``SkippyLlama.prepare_next_turn``) and their tokens
+    turns_prepared: int = 0
+    tokens_prepared: int = 0
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,18 @@ def register(sub: Any) -> None:
         help="llama-cpp-python chat format (default: the model's own chat template)",
     )
     parser.add_argument(
+        "--idle-repair-after",
+        type=float,
+        metavar="SECONDS",
+        default=0.2,
+        help=(
+            "when no request comes for this long after a reply, re-decode the reply as one "
+            "batch so its chat's next turn reuses it instead of prefilling it again (outputs "
+            "do not change; a request arriving meanwhile waits for that batch at most); "
+            "0 turns it off (default 0.2)"
+        ),
+    )
+    parser.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="info",
@@ -109,6 +121,10 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
     if args.n_ctx < 16:
         raise ConfigError(f"--n-ctx {args.n_ctx} is too small; give at least 16 tokens")
+    if not args.idle_repair_after >= 0:  # also refuses nan
+        raise ConfigError(
+            f"--idle-repair-after {args.idle_repair_after} is negative; give seconds, or 0 for off"
+        )
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is blank; give a key or leave the flag out")
     loaded = serving_defaults(settings_from_args(args))
@@ -143,6 +159,7 @@ def handle(args: argparse.Namespace) -> int:
         server=ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key, interrupt_requests=False
         ),
+        idle_repair_after=args.idle_repair_after or None,
     )
     app = create_app(config)
     print(

@@ -690,6 +690,38 @@ class SkippyLlama(llama_cpp.Llama):
         self._decode(generated)
         return len(generated)
 
+    def prepare_next_turn(self) -> int:
+        """Do now what the next request would otherwise do first: re-decode the last reply.
+
+        A reply's tokens are decoded one at a time, and those cells differ in the low bits from
+        the batched prefill a cold prompt gets; so a next turn that extends the reply decodes
+        the reply again inside its own prefill (exactness, see ``l1.repair_generated``). Called
+        while nothing else is waiting (a chat app while its user types; ``skippy-llama serve``
+        when no request follows a reply within ``--idle-repair-after``), this re-decodes the
+        reply as one batch, on the same canonical boundaries a cold prefill uses, so the next
+        turn reuses it and prefills only its new tokens. Outputs do not change: the cells are
+        those a cold prefill computes. Like every ``Llama`` method it must not run concurrently
+        with another call on the same object.
+
+        Returns:
+            the tokens re-decoded: 0 when there is nothing to do (no reply in the live
+            sequence, already prepared, caching off, or a streamed reply still being read).
+        """
+        if not self.caching or self._in_generate:
+            return 0
+        exact = self._live_exact()
+        # one token alone cannot be decoded as a batch: the next prefill takes it along
+        if exact != self._aligned(self._reply_start) or self.n_tokens - exact < 2:
+            return 0
+        repaired: list[int] = []
+        if not self._guard("prepare", None, lambda: repaired.append(self._repair())):
+            self._drop_working()  # a half-repaired reply is neither the old cells nor exact
+            return 0
+        counters = self.prefix_cache.counters
+        counters.turns_prepared += 1
+        counters.tokens_prepared += repaired[0]
+        return repaired[0]
+
     def eval(self, tokens: Sequence[int]) -> None:
         """``Llama.eval`` that restores a cached prefix first when called on its own.
 
@@ -831,6 +863,8 @@ class SkippyLlama(llama_cpp.Llama):
                 "parked": counters.parked,
                 "records": counters.records,
                 "restores_skipped": counters.restores_skipped,
+                "turns_prepared": counters.turns_prepared,
+                "tokens_prepared": counters.tokens_prepared,
             },
         }
 

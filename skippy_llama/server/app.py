@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
 import llama_cpp.server.app as upstream
 from fastapi import FastAPI
 from fastapi.middleware import Middleware
@@ -22,6 +23,7 @@ from starlette_context.plugins.request_id import RequestIdPlugin
 
 from .. import __version__
 from ..config import LoadedSettings
+from .idle import prepare_when_idle
 from .proxy import ModelSource, SkippyLlamaProxy
 from .routes import router
 from .state import ServingState
@@ -35,6 +37,9 @@ class ServeConfig:
     cache: LoadedSettings
     model: ModelSettings
     server: ServerSettings
+    #: seconds of no requests after which the last reply is re-decoded for its chat's next
+    #: turn (:mod:`.idle`); None: never
+    idle_repair_after: float | None = 0.2
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -54,7 +59,11 @@ def create_app(config: ServeConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
-            yield
+            async with anyio.create_task_group() as tasks:
+                if config.idle_repair_after is not None:
+                    tasks.start_soon(prepare_when_idle, state, config.idle_repair_after)
+                yield
+                tasks.cancel_scope.cancel()
         finally:
             state.close()  # flushes pending L3 writes before the process exits
 

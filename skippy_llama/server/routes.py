@@ -144,6 +144,7 @@ async def _serve(
     request: Request, body: CompletionBody | ChatBody, kwargs: dict[str, Any], endpoint: str
 ) -> Any:
     state = serving(request)
+    state.last_activity = time.monotonic()
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         send_chan, recv_chan = anyio.create_memory_object_stream[Any](10)

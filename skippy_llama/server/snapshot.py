@@ -50,6 +50,9 @@ class TierSnapshot:
     fallbacks: dict[str, int] = field(default_factory=dict)
     #: hits served cold because the measured costs said the restore would lose to a prefill
     restores_skipped: int = 0
+    #: replies re-decoded while the server was idle, and their tokens
+    turns_prepared: int = 0
+    tokens_prepared: int = 0
 
     def counters_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,8 @@ class TierSnapshot:
             "misses": self.misses,
             "fallbacks": dict(self.fallbacks),
             "restores_skipped": self.restores_skipped,
+            "turns_prepared": self.turns_prepared,
+            "tokens_prepared": self.tokens_prepared,
         }
 
 
@@ -109,6 +114,8 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
         misses=counters.misses,
         fallbacks=_copy_counter(counters.fallbacks),
         restores_skipped=counters.restores_skipped,
+        turns_prepared=counters.turns_prepared,
+        tokens_prepared=counters.tokens_prepared,
     )
 
 

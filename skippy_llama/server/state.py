@@ -28,6 +28,10 @@ class ServingState:
     started_at: float = field(default_factory=time.time)
     history: RequestHistory = field(default_factory=RequestHistory)
     closed: bool = False
+    #: requests finished so far, and when one last started or finished (``time.monotonic``):
+    #: the idle work (:mod:`.idle`) runs in the gaps between them
+    requests_finished: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.snapshots = SnapshotCache(self.model)
@@ -41,6 +45,8 @@ class ServingState:
 
     def observe(self, endpoint: str, at: float, llm: ServedLlama, outcome: str) -> None:
         """Count a finished request in the metrics and the status page's history."""
+        self.requests_finished += 1
+        self.last_activity = time.monotonic()
         record = record_from_event(
             endpoint, at, llm.last_cache_event, llm.completion_tokens(), outcome
         )

@@ -159,6 +159,36 @@ def test_chat_turns_grow_cached_tokens_and_equal_direct_calls(
         assert seen[2] > seen[1] or direct.granule > 1, (user, seen)
 
 
+def test_a_pause_after_a_reply_lets_the_next_turn_reuse_it(
+    server: ServerProcess, direct: SkippyLlama
+) -> None:
+    """The server re-decodes the last reply while no request comes (``--idle-repair-after``
+    0.2 s by default), so the chat's next turn reuses the reply; answers do not change."""
+    client = _client(server)
+    history = [{"role": "system", "content": SYSTEM}]
+    before = _get(server, "/v1/kv-cache/status")["process"]["turns_prepared"]
+    usages = []
+    for question in ("Who climbs the stairs?", "Why at night?"):
+        history.append({"role": "user", "content": f"cyd: {question}"})
+        got = client.chat.completions.create(
+            model="m", messages=history, max_tokens=12, temperature=0
+        )
+        want = _direct_chat(direct, messages=history, max_tokens=12, temperature=0)
+        text = got.choices[0].message.content
+        assert text == want["choices"][0]["message"]["content"]
+        usages.append(got.usage)
+        history.append({"role": "assistant", "content": text})
+        time.sleep(1.5)  # the user reads the reply and types
+    process = _get(server, "/v1/kv-cache/status")["process"]
+    assert process["turns_prepared"] >= before + 2, process
+    assert process["tokens_prepared"] > 0
+    # the second turn reused the first turn's prompt and its reply, not only the prompt (on
+    # GPU builds reuse ends on whole granules, which a 12-token reply may not complete)
+    first, second = usages
+    reused = second.prompt_tokens_details.cached_tokens
+    assert reused > first.prompt_tokens or direct.granule > 1, usages
+
+
 def test_streaming_equals_non_streaming_with_usage_chunk(server: ServerProcess) -> None:
     client = _client(server)
     messages = [

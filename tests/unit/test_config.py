@@ -200,3 +200,14 @@ def test_serve_keeps_a_prefix_per_conversation_and_skips_repairs_unless_told_oth
     assert (told.max_prefixes, told.repair_generated) == (3, "always")
     cli = serving_defaults(load_settings({"l1": {"max_prefixes": 5}}))
     assert cli.settings.l1.max_prefixes == 5
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_serve_refuses_a_negative_idle_repair_delay_before_loading_anything(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skippy_llama.cli.main import main
+
+    assert main(["serve", "--model", "/nonexistent.gguf", "--idle-repair-after", value]) == 2
+    err = capsys.readouterr().err
+    assert "--idle-repair-after" in err and "0 for off" in err

@@ -1,0 +1,109 @@
+"""``SkippyLlama.prepare_next_turn``: a reply re-decoded between requests is reused by the next
+turn, and the next turn still equals a cold prefill (SmolLM2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from modelhelpers import TEXT, aligned, cold_logits, last_logits
+
+from skippy_llama.config import Settings
+from skippy_llama.events import CacheEvent
+from skippy_llama.runtime.baseline import ColdLlama
+from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.workload import SYSTEM_PROMPT
+
+pytestmark = pytest.mark.model
+
+PROMPT = TEXT + "The keeper counted"
+MORE = " Then, at the top, he"
+
+
+def _skippy(path: Path, **l1: object) -> SkippyLlama:
+    return SkippyLlama(str(path), n_ctx=2048, verbose=False, cache_settings=Settings(l1=l1))
+
+
+def test_a_prepared_reply_is_reused_with_the_logits_of_a_cold_prefill(smollm2_path: Path) -> None:
+    with_prep, without = _skippy(smollm2_path), _skippy(smollm2_path)
+    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        assert with_prep.prepare_next_turn() == 0  # nothing decoded yet
+        events, texts, logits = [], [], []
+        for llm, prepare in ((with_prep, True), (without, False)):
+            reply = llm.create_completion(PROMPT, max_tokens=12, temperature=0.0)
+            n_generated = reply["usage"]["completion_tokens"]
+            if prepare:
+                prepared = llm.prepare_next_turn()
+                # the evaluated reply tokens (the last sampled one is never decoded), from the
+                # granule boundary at or before the reply
+                assert 2 <= prepared <= n_generated - 1 + llm.granule, (prepared, n_generated)
+                assert llm.prepare_next_turn() == 0  # already prepared
+            follow = PROMPT + reply["choices"][0]["text"] + MORE
+            # one token: the context's last logits are then the prompt's last token's
+            texts.append(llm.create_completion(follow, max_tokens=1, temperature=0.0))
+            events.append(llm.last_cache_event)
+            logits.append(last_logits(llm))
+        tokens = with_prep.tokenize(follow.encode())
+        n_more = len(with_prep.tokenize(MORE.encode(), add_bos=False))
+        n_first = len(with_prep.tokenize(PROMPT.encode()))
+        want = cold_logits(cold, tokens)
+        status = with_prep.cache_status()["counters"]
+    finally:
+        for llm in (with_prep, without, cold):
+            llm.close()
+    prepared_event, plain_event = events
+    assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+    # the last prompt token's logits equal a cold prefill's, bit for bit, with or without
+    assert np.array_equal(logits[0], want) and np.array_equal(logits[1], want)
+    assert prepared_event is not None and plain_event is not None
+    assert prepared_event.tier == plain_event.tier == "l1"
+    # prepared: the reply is reused; not prepared: it is prefilled again inside the prompt
+    assert prepared_event.cached_tokens >= aligned(with_prep, len(tokens) - n_more - 2)
+    assert plain_event.cached_tokens <= aligned(without, n_first)
+    assert prepared_event.suffix_tokens < plain_event.suffix_tokens
+    assert prepared_event.repaired_tokens == 0
+    assert status["turns_prepared"] == 1 and status["tokens_prepared"] == prepared
+
+
+def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], list[object]]:
+    """Two chats served turn by turn; ``prepare``: between requests, as a server does."""
+    histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(2)]
+    texts, events = [], []
+    for question in ("What is a lighthouse for?", "Who keeps it?"):
+        for history in histories:
+            history.append({"role": "user", "content": question})
+            out = llm.create_chat_completion(messages=history, max_tokens=12, temperature=0)
+            events.append(llm.last_cache_event)
+            if prepare:
+                assert isinstance(llm, SkippyLlama)
+                llm.prepare_next_turn()
+            texts.append(out["choices"][0]["message"]["content"])
+            history.append({"role": "assistant", "content": texts[-1]})
+    return texts, events
+
+
+def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: Path) -> None:
+    """Interleaved chats with ``repair_generated=never`` (the server's default): a reply prepared
+    before another user's turn is kept with its chat, so that chat's next turn reuses it."""
+    llm = _skippy(smollm2_path, repair_generated="never")
+    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        got, events = _two_chats(llm, prepare=True)
+        want, _ = _two_chats(cold, prepare=False)
+        status = llm.cache_status()["counters"]
+        granule = llm.granule
+    finally:
+        llm.close()
+        cold.close()
+    assert got == want
+    assert all(isinstance(e, CacheEvent) and e.repaired_tokens == 0 for e in events)
+    assert status["turns_prepared"] == 4
+    # each chat's second turn reuses its first turn's prompt and reply: only the new message
+    # and the template around it are prefilled (on GPU builds reuse ends on whole granules,
+    # which a 12-token reply may not complete)
+    for first, second in zip(events[:2], events[2:], strict=True):
+        assert isinstance(first, CacheEvent) and isinstance(second, CacheEvent)
+        assert second.tier == "l1"
+        assert second.cached_tokens > first.prompt_tokens or granule > 1
