@@ -12,7 +12,12 @@ with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
 * ``chat_stream``: the same chat with ``stream=True``;
 * ``oneshot``: distinct ~500-token documents with no shared prefix, 16 tokens each;
 * ``continue``: one ~2,000-token raw prompt, then short continuations, each prompt the previous
-  prompt + its reply + ~40 new tokens (``create_completion``, 32 tokens each).
+  prompt + its reply + ~40 new tokens (``create_completion``, 32 tokens each);
+* ``chat_idle`` and ``continue_idle``: ``chat`` and ``continue`` with a user's think time after
+  each reply, in which SkippyLlama runs ``prepare_next_turn`` (the reply re-decoded as a batch,
+  so the next request reuses it; a chat app calls it while its user types, ``serve`` calls it in
+  gaps between requests). Only the requests are timed, as in every workload; the think-time
+  work is kept apart as ``idle_s``. Plain ``Llama`` has nothing to do there.
 
 Rounds are interleaved: on a shared 2-core machine the speed drifts by 7-10 % over minutes, so
 running all rounds of one mode before the next let drift decide a ratio (the same chat measured
@@ -74,7 +79,7 @@ from skippy_llama.models import default_model_path
 from skippy_llama.runtime.llama import SkippyLlama
 
 MODES = ("plain", "plain_exact", "skippy", "skippy_l3")
-WORKLOADS = ("chat", "chat_stream", "oneshot", "continue")
+WORKLOADS = ("chat", "chat_stream", "chat_idle", "oneshot", "continue", "continue_idle")
 
 #: Profile groups: a function belongs to a group when it lives in skippy_llama and its name
 #: contains one of the substrings. Times are inclusive and groups may nest (capture includes
@@ -215,6 +220,17 @@ class Run:
     last_token_s: list[float] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     context_tokens: list[int] = field(default_factory=list)  # tokens live after each request
+    idle_s: list[float] = field(default_factory=list)  # think-time work (``_think``), untimed
+
+
+def _think(llm: llama_cpp.Llama, run: Run) -> None:
+    """A user reading the reply and typing: SkippyLlama prepares the next turn meanwhile (plain
+    ``Llama`` has nothing to do). Outside every request's timing; its time is kept apart."""
+    prepare = getattr(llm, "prepare_next_turn", None)
+    if prepare is not None:
+        started = time.perf_counter()
+        prepare()
+        run.idle_s.append(time.perf_counter() - started)
 
 
 def _tokenizer(llm: llama_cpp.Llama) -> Callable[[str], list[int]]:
@@ -257,7 +273,7 @@ def chat_messages(tokenize: Callable[[str], list[int]], turns: int) -> list[str]
     ]
 
 
-def run_chat(llm: llama_cpp.Llama, *, stream: bool) -> Run:
+def run_chat(llm: llama_cpp.Llama, *, stream: bool, think: bool = False) -> Run:
     run = Run()
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a concise assistant."}]
     for message in chat_messages(_tokenizer(llm), SIZES.chat_turns):
@@ -274,6 +290,8 @@ def run_chat(llm: llama_cpp.Llama, *, stream: bool) -> Run:
         else:
             reply = result["choices"][0]["message"]["content"] or ""
         _note(llm, run, started)
+        if think:
+            _think(llm, run)
         run.replies.append(reply)
         history.append({"role": "assistant", "content": reply})
     return run
@@ -307,7 +325,7 @@ def continuation_parts(tokenize: Callable[[str], list[int]]) -> list[str]:
     ]
 
 
-def run_continue(llm: llama_cpp.Llama) -> Run:
+def run_continue(llm: llama_cpp.Llama, think: bool = False) -> Run:
     run = Run()
     prompt = ""
     for part in continuation_parts(_tokenizer(llm)):
@@ -317,6 +335,8 @@ def run_continue(llm: llama_cpp.Llama) -> Run:
             prompt, max_tokens=SIZES.continue_reply_tokens, temperature=0.0
         )
         _note(llm, run, started)
+        if think:
+            _think(llm, run)
         reply = result["choices"][0]["text"]
         run.replies.append(reply)
         prompt += reply
@@ -326,8 +346,10 @@ def run_continue(llm: llama_cpp.Llama) -> Run:
 RUNNERS: dict[str, Callable[[llama_cpp.Llama], Run]] = {
     "chat": lambda llm: run_chat(llm, stream=False),
     "chat_stream": lambda llm: run_chat(llm, stream=True),
+    "chat_idle": lambda llm: run_chat(llm, stream=False, think=True),
     "oneshot": run_oneshot,
     "continue": run_continue,
+    "continue_idle": lambda llm: run_continue(llm, think=True),
 }
 
 
@@ -482,6 +504,8 @@ def test_overhead(benchmark: Any, workload: str, round_index: int, mode: str) ->
         "request_cpu_s": _r(run.request_cpu_s),
         "context_tokens": run.context_tokens,
     }
+    if run.idle_s:
+        info["idle_s"] = round(sum(run.idle_s), 4)
     if run.ttft_s:
         info["ttft_s"] = _r(run.ttft_s)
         info["last_token_s"] = _r(run.last_token_s)

@@ -13,12 +13,19 @@ same model, ``n_ctx`` 4096 and 2 threads:
                        has live in its context);
 * ``llama_cpp_cache``  ``python -m llama_cpp.server --cache true`` (LlamaRAMCache, 2 GiB);
 * ``skippy``           ``skippy-llama serve`` with default settings (L1: a server keeps 16
-                       resident prefixes; before ``9fac420`` it kept the library's 4);
+                       resident prefixes, before ``9fac420`` the library's 4; a reply left is
+                       parked without its own cells, ``l1.repair_generated=never``, and since
+                       ``a2cc3dc`` re-decoded for its chat's next turn once the server has been
+                       idle for 0.2 s, ``--idle-repair-after``);
 * ``skippy_tiers``     ``skippy-llama serve --l2-budget 256MiB --l3-mode fixed --l3-budget 1GiB``
                        on a fresh directory;
-* ``skippy_norepair``  ``skippy-llama serve`` with ``SKIPPY_L1__REPAIR_GENERATED=never``: a chat
-                       that is left is parked without its reply, which the chat's next turn then
-                       decodes inside its own prefill (no re-decode on another user's request).
+* ``skippy_noidle``    ``skippy-llama serve --idle-repair-after 0``: no idle work, so each chat's
+                       next turn decodes its previous reply inside its own prefill (the
+                       default before ``a2cc3dc``; older runs called it ``skippy_norepair``).
+
+``--think SECONDS`` leaves that gap after every reply before the next request (a user reading
+and typing; 0, the default, sends the next request at once, so idle work never runs). TTFT and
+request times never include it; ``wall_s`` does, ``request_sum_s`` does not.
 
 For skippy the server's own view of every request (tier, restore and TTFT in the server) is
 read from ``/status.json`` before the server stops.
@@ -77,7 +84,7 @@ TIER_FLAGS = ("--l2-budget", "256MiB", "--l3-mode", "fixed", "--l3-budget", "1Gi
 
 
 #: environment per contender (the rest inherit this process's)
-ENV = {"skippy_norepair": {"SKIPPY_L1__REPAIR_GENERATED": "never"}}
+ENV: dict[str, dict[str, str]] = {}
 
 
 def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
@@ -91,12 +98,18 @@ def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
         "llama_cpp_cache": [*upstream, "--cache", "true"],
         "skippy": skippy,
         "skippy_tiers": [*skippy, *TIER_FLAGS, "--l3-dir", str(scratch / "l3")],
-        "skippy_norepair": skippy,
+        "skippy_noidle": [*skippy, "--idle-repair-after", "0"],
     }
 
 
 def run_contender(
-    name: str, argv: list[str], users: int, turns: int, max_tokens: int, scratch: Path
+    name: str,
+    argv: list[str],
+    users: int,
+    turns: int,
+    max_tokens: int,
+    scratch: Path,
+    think: float = 0.0,
 ) -> dict[str, Any]:
     port = free_port()
     server = ServerProcess(
@@ -136,11 +149,14 @@ def run_contender(
                 rows.append({"user": user, "turn": turn, "ttft_s": ttft, "request_s": total,
                              "text": text, "cached_tokens": cached,
                              "prompt_tokens": usage.prompt_tokens if usage else None})  # fmt: skip
+                if think:
+                    time.sleep(think)
         wall = time.perf_counter() - started
-        served = None
+        served = counters = None
         if name.startswith("skippy"):
             with urllib.request.urlopen(server.base + "/status.json") as r:
-                served = json.loads(r.read())["recent"][-len(rows) :]
+                page = json.loads(r.read())
+            served, counters = page["recent"][-len(rows) :], page["counters"]
     finally:
         code = server.stop()
     ttfts = [r["ttft_s"] for r in rows]
@@ -149,8 +165,11 @@ def run_contender(
         "env": ENV.get(name, {}),
         "exit_code": code,
         "server_side": served,
+        "server_counters": counters,
         "rows": rows,
         "wall_s": round(wall, 3),
+        "request_sum_s": round(sum(r["request_s"] for r in rows), 3),
+        "think_s": think,
         "ttft_p50_s": round(statistics.median(ttfts), 4),
         "ttft_p95_s": round(statistics.quantiles(ttfts, n=20)[18], 4),
         "ttft_sum_s": round(sum(ttfts), 3),
@@ -164,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="run only these contenders")
+    parser.add_argument(
+        "--think", type=float, default=0.0, help="seconds between a reply and the next request"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     model = args.model or default_model_path()
@@ -173,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "git": _git_state(),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "users": args.users, "turns": args.turns, "max_tokens": args.max_tokens,
+        "think_s": args.think,
         "model": str(model), "contenders": {},
     }  # fmt: skip
     try:
@@ -181,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"bench_server: {name} …", file=sys.stderr, flush=True)
             report["contenders"][name] = run_contender(
-                name, cmd, args.users, args.turns, args.max_tokens, scratch
+                name, cmd, args.users, args.turns, args.max_tokens, scratch, args.think
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -196,7 +219,8 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     ref = runs.get("llama_cpp")
     out: dict[str, Any] = {}
     for name, run in runs.items():
-        row = {k: run[k] for k in ("ttft_p50_s", "ttft_p95_s", "ttft_sum_s", "wall_s")}
+        keys = ("ttft_p50_s", "ttft_p95_s", "ttft_sum_s", "wall_s", "request_sum_s")
+        row = {k: run[k] for k in keys if k in run}
         if ref is not None:
             same = sum(
                 a["text"] == b["text"] for a, b in zip(run["rows"], ref["rows"], strict=True)
@@ -216,6 +240,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
             row["suffix_tokens_p50"] = statistics.median(
                 r["prompt_tokens"] - r["cached_tokens"] for r in served
             )
+            row["turns_prepared"] = (run.get("server_counters") or {}).get("turns_prepared")
         cached = [r["cached_tokens"] for r in run["rows"] if r["cached_tokens"] is not None]
         if cached:
             prompt = sum(r["prompt_tokens"] for r in run["rows"])
@@ -224,13 +249,14 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     upstream = [runs[n]["ttft_p50_s"] for n in ("llama_cpp", "llama_cpp_cache") if n in runs]
     if upstream:
         best = min(upstream)
-        for name in ("skippy", "skippy_tiers", "skippy_norepair"):
+        fastest = min(
+            runs[n]["request_sum_s"] for n in ("llama_cpp", "llama_cpp_cache") if n in runs
+        )
+        for name in ("skippy", "skippy_tiers", "skippy_noidle"):
             if name in runs:
                 out[name]["ttft_p50_vs_best_llama_cpp"] = round(runs[name]["ttft_p50_s"] / best, 3)
-                out[name]["wall_vs_best_llama_cpp"] = round(
-                    runs[name]["wall_s"]
-                    / min(runs[n]["wall_s"] for n in ("llama_cpp", "llama_cpp_cache") if n in runs),
-                    3,
+                out[name]["requests_vs_best_llama_cpp"] = round(
+                    runs[name]["request_sum_s"] / fastest, 3
                 )
     return out
 
