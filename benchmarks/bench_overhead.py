@@ -8,7 +8,8 @@ exactness costs without any cache, see ``PromptReuseLlama``), ``skippy``
 with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
 
 * ``chat``: one linear chat (``create_chat_completion``), each turn a ~150-token user message
-  and a 48-token greedy reply, growing past 3,000 tokens at 16 turns;
+  and a greedy reply of at most 48 tokens (SmolLM2 stops after 12), growing past 3,000 tokens
+  at 16 turns;
 * ``chat_stream``: the same chat with ``stream=True``;
 * ``oneshot``: distinct ~500-token documents with no shared prefix, 16 tokens each;
 * ``continue``: one ~2,000-token raw prompt, then short continuations, each prompt the previous
