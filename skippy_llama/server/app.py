@@ -39,7 +39,7 @@ class ServeConfig:
     server: ServerSettings
     #: seconds of no requests after which the last reply is re-decoded for its chat's next
     #: turn (:mod:`.idle`); None: never
-    idle_repair_after: float | None = 0.2
+    idle_repair_after: float | None
 
 
 def create_app(config: ServeConfig) -> FastAPI:
