@@ -125,6 +125,8 @@ def test_status_page_shows_live_numbers(smollm2_path: Path, tmp_path: Path) -> N
     assert page.texts["hit-rate"].strip() == f"{100 * totals['hit_rate']:.1f} %"
     assert page.texts["cached-share"].strip() == f"{100 * totals['cached_share']:.1f} %"
     assert int(page.texts["cached-tokens"]) == totals["cached_tokens"] > 0
+    # replies are prepared in the gaps between requests; the browser came later than status.json
+    assert int(page.texts["prepared"]) >= data["counters"]["turns_prepared"]
     assert "L3 disk" in page.texts["tiers"] and "active" in page.texts["tiers"]
     assert "prefixes" in page.texts["tiers"]
     assert "l1" in page.texts["sources"] and "cold" in page.texts["sources"]

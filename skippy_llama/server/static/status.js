@@ -85,6 +85,7 @@
     $("cached-tokens").textContent = String(t.cached_tokens);
     const ttft = median(d.recent.filter((r) => r.outcome === "ok").map((r) => r.ttft_ms));
     $("ttft-p50").textContent = ttft === null ? "–" : ttft.toFixed(1) + " ms";
+    $("prepared").textContent = String(d.counters.turns_prepared || 0);
     const l1 = d.l1, l2 = d.l2, l3 = d.l3;
     fill("tiers", [
       (tr) => { cell(tr, "L1 resident"); cell(tr, l1.enabled ? "on" : "off");
