@@ -46,6 +46,11 @@ class _TierCollector(Collector):
         for reason, n in sorted(snap.fallbacks.items()):
             fallbacks.add_metric([reason], n)
         yield fallbacks
+        prepared = CounterMetricFamily(
+            "skippy_turns_prepared", "Replies re-decoded between requests for their next turn"
+        )
+        prepared.add_metric([], snap.turns_prepared)
+        yield prepared
 
         l1 = snap.l1
         yield _gauge("skippy_l1_resident_prefixes", "Prefixes resident in the context", l1.prefixes)

@@ -182,6 +182,8 @@ def test_a_pause_after_a_reply_lets_the_next_turn_reuse_it(
     process = _get(server, "/v1/kv-cache/status")["process"]
     assert process["turns_prepared"] >= before + 2, process
     assert process["tokens_prepared"] > 0
+    metrics = _families(_get(server, "/metrics"))
+    assert _value(metrics, "skippy_turns_prepared") >= process["turns_prepared"]
     # the second turn reused the first turn's prompt and its reply, not only the prompt (on
     # GPU builds reuse ends on whole granules, which a 12-token reply may not complete)
     first, second = usages
