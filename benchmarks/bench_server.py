@@ -83,10 +83,6 @@ TIER_FLAGS = ("--l2-budget", "256MiB", "--l3-mode", "fixed", "--l3-budget", "1Gi
               "--l3-minimum-free", "1GiB")  # fmt: skip
 
 
-#: environment per contender (the rest inherit this process's)
-ENV: dict[str, dict[str, str]] = {}
-
-
 def contenders(model: Path, scratch: Path) -> dict[str, list[str]]:
     py = sys.executable
     upstream = [py, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", "4096",
@@ -112,9 +108,7 @@ def run_contender(
     think: float = 0.0,
 ) -> dict[str, Any]:
     port = free_port()
-    server = ServerProcess(
-        [*argv, "--port", str(port)], port, scratch / f"{name}.log", env=ENV.get(name)
-    )
+    server = ServerProcess([*argv, "--port", str(port)], port, scratch / f"{name}.log")
     server.wait_ready()
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
     rows: list[dict[str, Any]] = []
@@ -162,7 +156,6 @@ def run_contender(
     ttfts = [r["ttft_s"] for r in rows]
     return {
         "argv": argv,
-        "env": ENV.get(name, {}),
         "exit_code": code,
         "server_side": served,
         "server_counters": counters,
