@@ -108,6 +108,20 @@ def _direct_chat(llm: SkippyLlama, **request: Any) -> Any:
     return llm.create_chat_completion(**kwargs)
 
 
+def _chat_turn(
+    client: Any, direct: SkippyLlama, history: list[dict[str, str]], question: str
+) -> Any:
+    """One chat turn through the server, checked against the same turn called directly; the
+    reply joins ``history``. Returns the server's usage."""
+    history.append({"role": "user", "content": question})
+    got = client.chat.completions.create(model="m", messages=history, max_tokens=12, temperature=0)
+    want = _direct_chat(direct, messages=history, max_tokens=12, temperature=0)
+    text = got.choices[0].message.content
+    assert text == want["choices"][0]["message"]["content"]
+    history.append({"role": "assistant", "content": text})
+    return got.usage
+
+
 def test_models_lists_the_served_model(server: ServerProcess) -> None:
     ids = [m.id for m in _client(server).models.list().data]
     assert ids == ["SmolLM2-135M-Instruct.Q4_1"]
@@ -139,15 +153,8 @@ def test_chat_turns_grow_cached_tokens_and_equal_direct_calls(
     cached: dict[str, list[int]] = {"ann": [], "bob": []}
     for question in questions:
         for user, history in users.items():  # two users interleaved turn by turn
-            history.append({"role": "user", "content": f"{user}: {question}"})
-            got = client.chat.completions.create(
-                model="m", messages=history, max_tokens=12, temperature=0
-            )
-            want = _direct_chat(direct, messages=history, max_tokens=12, temperature=0)
-            text = got.choices[0].message.content
-            assert text == want["choices"][0]["message"]["content"]
-            cached[user].append(got.usage.prompt_tokens_details.cached_tokens)
-            history.append({"role": "assistant", "content": text})
+            usage = _chat_turn(client, direct, history, f"{user}: {question}")
+            cached[user].append(usage.prompt_tokens_details.cached_tokens)
     skipped = _get(server, "/v1/kv-cache/status")["process"]["restores_skipped"]
     assert not skipped or direct.granule > 1  # never on the CPU with flash attention off
     for user, seen in cached.items():
@@ -169,15 +176,7 @@ def test_a_pause_after_a_reply_lets_the_next_turn_reuse_it(
     before = _get(server, "/v1/kv-cache/status")["process"]["turns_prepared"]
     usages = []
     for question in ("Who climbs the stairs?", "Why at night?"):
-        history.append({"role": "user", "content": f"cyd: {question}"})
-        got = client.chat.completions.create(
-            model="m", messages=history, max_tokens=12, temperature=0
-        )
-        want = _direct_chat(direct, messages=history, max_tokens=12, temperature=0)
-        text = got.choices[0].message.content
-        assert text == want["choices"][0]["message"]["content"]
-        usages.append(got.usage)
-        history.append({"role": "assistant", "content": text})
+        usages.append(_chat_turn(client, direct, history, f"cyd: {question}"))
         time.sleep(1.5)  # the user reads the reply and types
     process = _get(server, "/v1/kv-cache/status")["process"]
     assert process["turns_prepared"] >= before + 2, process
