@@ -5,7 +5,8 @@ Run as ``python l3_crash_worker.py SPEC_JSON``. SPEC keys: ``dir`` (the store), 
 this process appends each record's index to *before* recording it, so the checker knows every
 record that may be in the store), ``start`` (first record index), ``fsize`` (optional: an
 RLIMIT_FSIZE in bytes, for the disk-full test), ``big`` (optional: indices whose question page
-is ``big`` bytes), ``count`` (optional: stop after that many records instead of running on).
+is ``big`` bytes), ``count`` (optional: stop after that many records instead of running on),
+``budget`` (optional: the store's byte budget instead of the 64 MiB floor).
 
 Prints one JSON line ``{"check": {...}}`` after checking, then ``{"ready": true}`` before
 writing, and ``{"done": {...}}`` when ``count`` records were written.
@@ -49,10 +50,10 @@ def record(i: int, big: dict[int, int] | None = None) -> PrefixRecord:
     return PrefixRecord("c" * 32, "m1", "Model m1", 256, tuple(pages))
 
 
-def settings(directory: str) -> L3Settings:
+def settings(directory: str, budget: str = "64MiB") -> L3Settings:
     return L3Settings(
         mode="fixed",
-        budget="64MiB",  # the floor: the kill loop writes past it, so eviction runs too
+        budget=budget,  # the floor by default: a long kill loop writes past it, so eviction runs
         directory=directory,
         minimum_free="1GiB",
         compression="none",
@@ -79,7 +80,7 @@ def main(spec: dict[str, Any]) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize"], spec["fsize"]))
     big = {int(k): int(v) for k, v in spec.get("big", {}).items()}
     log = Path(spec["log"])
-    tier = DiskTier(settings(spec["dir"]))
+    tier = DiskTier(settings(spec["dir"], spec.get("budget", "64MiB")))
     written = [int(x) for x in log.read_text().split()] if log.exists() else []
     print(json.dumps({"check": check(tier, written, big)}), flush=True)
     print(json.dumps({"ready": True}), flush=True)
