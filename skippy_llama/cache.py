@@ -96,6 +96,8 @@ class CacheCounters:
     misses: int = 0
     fallbacks: Counter[str] = field(default_factory=Counter)
     parked: int = 0
+    #: of ``parked``, chats checkpointed between requests (``SkippyLlama.prepare_next_turn``)
+    parked_ahead: int = 0
     park_skipped: int = 0
     records: int = 0
     records_skipped: int = 0

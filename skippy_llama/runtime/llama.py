@@ -691,7 +691,8 @@ class SkippyLlama(llama_cpp.Llama):
         return len(generated)
 
     def prepare_next_turn(self) -> int:
-        """Do now what the next request would otherwise do first: re-decode the last reply.
+        """Do now what the next request would otherwise do first: re-decode the last reply,
+        and keep the chat resident when several chats take turns.
 
         A reply's tokens are decoded one at a time, and those cells differ in the low bits from
         the batched prefill a cold prompt gets; so a next turn that extends the reply decodes
@@ -702,6 +703,12 @@ class SkippyLlama(llama_cpp.Llama):
         turn reuses it and prefills only its new tokens. Outputs do not change: the cells are
         those a cold prefill computes. Like every ``Llama`` method it must not run concurrently
         with another call on the same object.
+
+        Once a prompt has left the live sequence in this process (several chats or documents
+        take turns), the prepared chat is also checkpointed as a resident prefix now
+        (``parked_ahead``), so a request from another chat restores its own prefix without
+        first checkpointing this one. A single linear chat never displaces its live sequence
+        and pays no checkpoint here.
 
         Returns:
             the tokens re-decoded: 0 when there is nothing to do (no reply in the live
@@ -720,6 +727,11 @@ class SkippyLlama(llama_cpp.Llama):
         counters = self.prefix_cache.counters
         counters.turns_prepared += 1
         counters.tokens_prepared += repaired[0]
+        if counters.parked:
+            parked = counters.parked
+            # a failed checkpoint leaves the working sequence as it was: the next request parks
+            self._guard("park", None, lambda: self._park(self._exact_tokens()))
+            counters.parked_ahead += counters.parked - parked
         return repaired[0]
 
     def eval(self, tokens: Sequence[int]) -> None:
@@ -861,6 +873,7 @@ class SkippyLlama(llama_cpp.Llama):
                 "misses": counters.misses,
                 "fallbacks": dict(counters.fallbacks),
                 "parked": counters.parked,
+                "parked_ahead": counters.parked_ahead,
                 "records": counters.records,
                 "restores_skipped": counters.restores_skipped,
                 "turns_prepared": counters.turns_prepared,

@@ -5,9 +5,10 @@ A served chat's next turn extends the reply just generated; its cells came from 
 decodes, which an exact cache cannot reuse, so the turn would prefill the reply again (median 15
 of 40 tokens per turn in ``bench_server.py``). Users take seconds to type, so the server does it
 in that gap: once no request has started or finished for ``after`` seconds, it takes the model
-through llama_cpp.server's own lock and re-decodes the reply as one batch. A request that
-arrives meanwhile waits for that one batch at most; where requests follow each other without a
-gap (a benchmark, a batch client), the gap never opens and nothing runs.
+through llama_cpp.server's own lock, re-decodes the reply as one batch and checkpoints the chat
+(so the next user's request need not checkpoint it before restoring its own). A request that
+arrives meanwhile waits for that batch and checkpoint at most; where requests follow each other
+without a gap (a benchmark, a batch client), the gap never opens and nothing runs.
 """
 
 from __future__ import annotations

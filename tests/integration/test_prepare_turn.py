@@ -18,6 +18,11 @@ from skippy_llama.workload import SYSTEM_PROMPT
 pytestmark = pytest.mark.model
 
 PROMPT = TEXT + "The keeper counted"
+#: Each turn's question for chat 1 and chat 2 (different, so neither chat is the other's prefix).
+QUESTIONS = (
+    ("What is a lighthouse for?", "Why is the light red?"),
+    ("Who keeps it?", "When was it built?"),
+)
 MORE = " Then, at the top, he"
 
 
@@ -65,14 +70,15 @@ def test_a_prepared_reply_is_reused_with_the_logits_of_a_cold_prefill(smollm2_pa
     assert prepared_event.suffix_tokens < plain_event.suffix_tokens
     assert prepared_event.repaired_tokens == 0
     assert status["turns_prepared"] == 1 and status["tokens_prepared"] == prepared
+    assert status["parked"] == status["parked_ahead"] == 0  # one chat: nothing to keep aside
 
 
 def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], list[object]]:
     """Two chats served turn by turn; ``prepare``: between requests, as a server does."""
     histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(2)]
     texts, events = [], []
-    for question in ("What is a lighthouse for?", "Who keeps it?"):
-        for history in histories:
+    for turn in QUESTIONS:
+        for history, question in zip(histories, turn, strict=True):
             history.append({"role": "user", "content": question})
             out = llm.create_chat_completion(messages=history, max_tokens=12, temperature=0)
             events.append(llm.last_cache_event)
@@ -86,7 +92,8 @@ def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], 
 
 def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: Path) -> None:
     """Interleaved chats with ``repair_generated=never`` (the server's default): a reply prepared
-    before another user's turn is kept with its chat, so that chat's next turn reuses it."""
+    before another user's turn is kept with its chat, so that chat's next turn reuses it, and
+    the chat is checkpointed when prepared, not when the next request displaces it."""
     llm = _skippy(smollm2_path, repair_generated="never")
     cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
     try:
@@ -100,6 +107,11 @@ def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: P
     assert got == want
     assert all(isinstance(e, CacheEvent) and e.repaired_tokens == 0 for e in events)
     assert status["turns_prepared"] == 4
+    # chat A is checkpointed when chat B first displaces it, on that request; every later turn
+    # was checkpointed when prepared, so the requests that displaced them paid no checkpoint
+    # (on GPU builds a checkpoint may not pay for a short chat: then none is taken)
+    assert status["parked"] - status["parked_ahead"] == min(status["parked"], 1)
+    assert status["parked_ahead"] == 3 or granule > 1
     # each chat's second turn reuses its first turn's prompt and reply: only the new message
     # and the template around it are prefilled (on GPU builds reuse ends on whole granules,
     # which a 12-token reply may not complete)
