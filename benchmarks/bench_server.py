@@ -227,13 +227,18 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
             row["server_restore_p50_s"] = round(
                 statistics.median(r["restore_ms"] for r in served) / 1e3, 4
             )
+            row["server_park_p50_s"] = round(
+                statistics.median(r.get("park_ms", 0.0) for r in served) / 1e3, 4
+            )
             row["tiers"] = {
                 t: sum(r["tier"] == t for r in served) for t in ("l1", "l2", "l3", "cold")
             }
             row["suffix_tokens_p50"] = statistics.median(
                 r["prompt_tokens"] - r["cached_tokens"] for r in served
             )
-            row["turns_prepared"] = (run.get("server_counters") or {}).get("turns_prepared")
+            counters = run.get("server_counters") or {}
+            row["turns_prepared"] = counters.get("turns_prepared")
+            row["parked_ahead"] = counters.get("parked_ahead")
         cached = [r["cached_tokens"] for r in run["rows"] if r["cached_tokens"] is not None]
         if cached:
             prompt = sum(r["prompt_tokens"] for r in run["rows"])

@@ -21,6 +21,8 @@ class RequestRecord:
     completion_tokens: int = 0
     restored_bytes: int = 0
     restore_ms: float = 0.0
+    #: checkpointing the conversation the request left (0 when it was resident already)
+    park_ms: float = 0.0
     ttft_ms: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
 

@@ -153,6 +153,7 @@ def record_from_event(
         completion_tokens=completion_tokens,
         restored_bytes=event.restored_bytes,
         restore_ms=event.restore_ms,
+        park_ms=event.park_ms,
         ttft_ms=event.ttft_ms,
         fallbacks=list(event.fallbacks),
     )

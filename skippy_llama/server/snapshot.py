@@ -53,6 +53,8 @@ class TierSnapshot:
     #: replies re-decoded while the server was idle, and their tokens
     turns_prepared: int = 0
     tokens_prepared: int = 0
+    #: conversations checkpointed while the server was idle (not by the request leaving them)
+    parked_ahead: int = 0
 
     def counters_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,7 @@ class TierSnapshot:
             "restores_skipped": self.restores_skipped,
             "turns_prepared": self.turns_prepared,
             "tokens_prepared": self.tokens_prepared,
+            "parked_ahead": self.parked_ahead,
         }
 
 
@@ -116,6 +119,7 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
         restores_skipped=counters.restores_skipped,
         turns_prepared=counters.turns_prepared,
         tokens_prepared=counters.tokens_prepared,
+        parked_ahead=counters.parked_ahead,
     )
 
 
