@@ -27,6 +27,7 @@ from .idle import prepare_when_idle
 from .proxy import ModelSource, SkippyLlamaProxy
 from .routes import router
 from .state import ServingState
+from .worker import ModelThread
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,19 @@ def create_app(config: ServeConfig) -> FastAPI:
         SkippyError: the model or the cache settings cannot be used (before anything listens).
     """
     upstream.set_server_settings(config.server)
-    proxy = SkippyLlamaProxy([config.model], config.source, config.cache)
+    worker = ModelThread()
+    try:
+        # loaded on the thread every later model call runs on (see .worker)
+        proxy = worker.call(SkippyLlamaProxy, [config.model], config.source, config.cache)
+    except BaseException:
+        worker.shutdown()
+        raise
     # upstream's set_llama_proxy() would build a plain LlamaProxy; its routes read this global
     upstream._llama_proxy = proxy
     alias = config.model.model_alias or config.model.model
-    state = ServingState(proxy=proxy, cache=config.cache, server=config.server, model_alias=alias)
+    state = ServingState(
+        proxy=proxy, worker=worker, cache=config.cache, server=config.server, model_alias=alias
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

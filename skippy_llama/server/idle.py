@@ -18,7 +18,6 @@ import time
 
 import anyio
 from llama_cpp.server.app import get_llama_proxy, llama_inner_lock, llama_outer_lock
-from starlette.concurrency import run_in_threadpool
 
 from .state import ServingState
 
@@ -43,5 +42,5 @@ async def prepare_when_idle(state: ServingState, after: float) -> None:
             llm = state.model()
             if llm is not None:
                 # fail-open inside: a failed repair is counted and the reply is prefilled later
-                await run_in_threadpool(llm.prepare_next_turn)
+                await state.worker.run(llm.prepare_next_turn)
         prepared = finished

@@ -135,7 +135,8 @@ def _stream_call(state: ServingState, endpoint: str, include_usage: bool) -> Any
         assert isinstance(llm, ServedLlama)
         llm.last_cache_event = None
         method = llm.create_completion if endpoint == "completions" else llm.create_chat_completion
-        return _relay(state, llm, endpoint, method(**kwargs), include_usage)
+        chunks = state.worker.iterate(state.worker.call(method, **kwargs))
+        return _relay(state, llm, endpoint, chunks, include_usage)
 
     return call
 
@@ -169,7 +170,7 @@ async def _serve(
         assert isinstance(llm, ServedLlama)
         if await request.is_disconnected():
             raise HTTPException(status.HTTP_400_BAD_REQUEST, detail="Client closed request")
-        return await run_in_threadpool(_run, state, llm, endpoint, kwargs)
+        return await state.worker.run(_run, state, llm, endpoint, kwargs)
 
 
 @router.post("/v1/completions", summary="Completion", dependencies=[Depends(authenticate)])

@@ -15,6 +15,7 @@ from .history import RequestHistory
 from .metrics import ServerMetrics, record_from_event
 from .proxy import ServedLlama, SkippyLlamaProxy
 from .snapshot import SnapshotCache
+from .worker import ModelThread
 
 
 @dataclass
@@ -22,6 +23,8 @@ class ServingState:
     """Everything one ``skippy-llama serve`` process holds besides the llama_cpp.server globals."""
 
     proxy: SkippyLlamaProxy
+    #: the one thread every model call runs on
+    worker: ModelThread
     cache: LoadedSettings
     server: ServerSettings
     model_alias: str
@@ -72,7 +75,8 @@ class ServingState:
             llm = self.proxy.current()
             self.closed = True
             if llm is not None:
-                llm.close()
+                self.worker.call(llm.close)
+            self.worker.shutdown()
 
     def summary(self) -> dict[str, Any]:
         llm = self.model()
