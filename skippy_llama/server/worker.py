@@ -15,6 +15,7 @@ thread only decides where they run.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -39,16 +40,25 @@ def _close(chunks: Iterator[Any]) -> None:
 
 
 class ModelThread:
-    """Runs callables on one dedicated thread, one at a time, in the order given.
-
-    Never call into it from a callable it runs: that call would wait for itself.
-    """
+    """Runs callables on one dedicated thread, one at a time, in the order given."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippy-model")
+        self._thread_id: int | None = None
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="skippy-model", initializer=self._started
+        )
+
+    def _started(self) -> None:
+        self._thread_id = threading.get_ident()
 
     def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on the model thread; blocks the calling thread."""
+        """``fn(*args, **kwargs)`` on the model thread; blocks the calling thread.
+
+        Called on the model thread itself it runs ``fn`` at once: a streamed response's
+        generator that the garbage collector finalizes there must not wait for itself.
+        """
+        if threading.get_ident() == self._thread_id:
+            return fn(*args, **kwargs)
         return self._pool.submit(fn, *args, **kwargs).result()
 
     async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

@@ -99,3 +99,17 @@ def test_a_cancelled_waiter_still_waits_for_the_call(worker: ModelThread) -> Non
 
     threading.Timer(0.2, release.set).start()
     anyio.run(main)
+
+
+def test_a_call_from_the_model_thread_runs_inline(worker: ModelThread) -> None:
+    """A generator finalized on the model thread (by the garbage collector) closes its chunks
+    there instead of queueing behind itself forever."""
+
+    def chunks() -> Iterator[int]:
+        yield 1
+
+    relay = worker.iterate(chunks())
+    assert next(relay) == 1
+    model = worker.call(_ident)
+    assert worker.call(lambda: worker.call(_ident)) == model
+    assert worker.call(relay.close) is None  # closes the inner chunks on the same thread
