@@ -50,10 +50,15 @@ def record(i: int, big: dict[int, int] | None = None) -> PrefixRecord:
     return PrefixRecord("c" * 32, "m1", "Model m1", 256, tuple(pages))
 
 
-def settings(directory: str, budget: str = "64MiB") -> L3Settings:
+#: The store's budget unless ``budget`` is given: the floor, which a long kill loop writes past,
+#: so eviction runs too.
+FLOOR = "64MiB"
+
+
+def settings(directory: str, budget: str = FLOOR) -> L3Settings:
     return L3Settings(
         mode="fixed",
-        budget=budget,  # the floor by default: a long kill loop writes past it, so eviction runs
+        budget=budget,
         directory=directory,
         minimum_free="1GiB",
         compression="none",
@@ -80,7 +85,7 @@ def main(spec: dict[str, Any]) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize"], spec["fsize"]))
     big = {int(k): int(v) for k, v in spec.get("big", {}).items()}
     log = Path(spec["log"])
-    tier = DiskTier(settings(spec["dir"], spec.get("budget", "64MiB")))
+    tier = DiskTier(settings(spec["dir"], spec.get("budget", FLOOR)))
     written = [int(x) for x in log.read_text().split()] if log.exists() else []
     print(json.dumps({"check": check(tier, written, big)}), flush=True)
     print(json.dumps({"ready": True}), flush=True)
