@@ -37,6 +37,8 @@ class LookupResult:
     ``tier`` says where it lives; ``n_tokens`` how many prompt tokens it covers; ``seq_id`` the
     resident sequence for L1; ``payloads`` the serialized pages (in order) for L2/L3, of which
     the first ``uses[i]`` tokens each are restored (a page is used partly at a branch point).
+    A page L3 read uncompressed is a view into the reading thread's buffer: restore it before
+    that thread's next lookup.
 
     An *append plan* (``base_tokens > 0``, only where the runtime can append-import) continues
     an L1 prefix with L2/L3 pages: the first ``base_tokens`` come from the live sequence
@@ -47,7 +49,7 @@ class LookupResult:
     tier: Tier
     n_tokens: int
     seq_id: int | None = None
-    payloads: tuple[bytes, ...] = ()
+    payloads: tuple[bytes | memoryview, ...] = ()
     uses: tuple[int, ...] = ()
     lookup_s: float = 0.0
     fallbacks: tuple[str, ...] = ()
@@ -70,7 +72,7 @@ class LookupResult:
             return LookupResult(
                 "l1", n, seq_id=self.base_seq_id, lookup_s=self.lookup_s, fallbacks=self.fallbacks
             )
-        payloads: list[bytes] = []
+        payloads: list[bytes | memoryview] = []
         uses: list[int] = []
         # payload tokens are counted from position 0, the skipped part included
         left = n - self.base_tokens + self._skipped()
@@ -296,7 +298,7 @@ class PrefixCache:
                 digests[key] = disk.digest(key)
             return digests[key]
 
-        payloads: list[bytes] = []
+        payloads: list[bytes | memoryview] = []
         from_ram = 0
         if self.ram is not None:
             for key in keys:
@@ -319,10 +321,11 @@ class PrefixCache:
         if n_tokens <= floor:
             return LookupResult("cold", 0, fallbacks=notes) if notes else None
         if self.ram is not None:
-            for key, page in zip(keys[from_ram : len(payloads)], payloads[from_ram:], strict=True):
+            fills = zip(keys[from_ram : len(payloads)], payloads[from_ram:], strict=True)
+            for key, payload in fills:
                 stored = digest(key)
                 if stored is not None:
-                    self.ram.offer(key, page, stored, prefix_tokens=n_tokens)
+                    self.ram.offer(key, payload, stored, prefix_tokens=n_tokens)
         tier: Tier = "l2" if from_ram == len(payloads) else "l3"
         result = LookupResult(tier, n_tokens, payloads=tuple(payloads), uses=uses, fallbacks=notes)
         if base is not None:

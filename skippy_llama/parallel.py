@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 #: Work on at least this many bytes is spread over the pool; below it a thread hand-off costs
@@ -41,8 +41,9 @@ def ordered(
 
     With ``parallel`` (and two items or more) the items run on the shared pool ahead of the
     consumer; when the consumer stops early (close the generator, e.g. with
-    ``contextlib.closing``) the items not started yet are cancelled. Without it, each item runs
-    on the caller's thread when its result is asked for.
+    ``contextlib.closing``) the items not started yet are cancelled and the running ones waited
+    for, so none still runs (writing into a buffer the caller reuses) once it is closed. Without
+    it, each item runs on the caller's thread when its result is asked for.
     """
     if not parallel or len(items) < 2:
         for item in items:
@@ -55,6 +56,7 @@ def ordered(
     finally:
         for future in futures:
             future.cancel()
+        wait(futures)
 
 
 def run_all(tasks: Sequence[Callable[[], object]], *, parallel: bool) -> None:

@@ -46,8 +46,9 @@ def encode(payload: bytes, codec: Compression) -> bytes:
     return _ZSTD_MAGIC + frame
 
 
-def decode(stored: bytes, n_tokens: int | None = None) -> bytes:
-    """The page bytes held in ``stored`` (whatever codec wrote it).
+def decode(stored: bytes | memoryview, n_tokens: int | None = None) -> bytes | memoryview:
+    """The page bytes held in ``stored`` (whatever codec wrote it): ``stored`` itself for an
+    uncompressed page, else new bytes.
 
     ``n_tokens``, the page's token count from its metadata, bounds what a compressed frame may
     claim to decompress to, so a forged header cannot make a read allocate gigabytes.
@@ -56,9 +57,9 @@ def decode(stored: bytes, n_tokens: int | None = None) -> bytes:
         UnknownCodecError: the payload names no codec this build reads.
         StateFormatError: a known codec's frame is damaged.
     """
-    magic = stored[:4]
+    magic = bytes(stored[:4])
     if magic == _RAW_MAGIC:
-        return stored
+        return stored  # the page itself: a view stays a view (no copy)
     if magic != _ZSTD_MAGIC:
         raise UnknownCodecError(f"stored page has unknown codec magic {bytes(magic)!r}")
     frame = memoryview(stored)[4:]

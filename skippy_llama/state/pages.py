@@ -92,25 +92,21 @@ class Page:
         return Page(start, end - start, layout, self.ext[a:b], tuple(k[a:b] for k in self.k), v)
 
     def to_bytes(self) -> bytes:
-        """Serialize the page (one copy of its payload)."""
-        buf = bytearray(self.nbytes)
-        out = np.frombuffer(buf, dtype=np.uint8)
+        """Serialize the page: one copy of its payload, straight into the result (a transposed
+        V slice, not contiguous, is gathered first)."""
         flags = 1 if self.layout.v_trans else 0
-        _HEADER.pack_into(
-            buf, 0, PAGE_MAGIC, PAGE_FORMAT_VERSION, flags, self.layout.n_layer,
-            self.start, self.n_tokens, self.layout.ext_bytes, 0,
-        )  # fmt: skip
-        off = _HEADER.size
-        for layer in self.layout.layers:
-            _LAYER.pack_into(
-                buf, off, layer.k_type, layer.k_row, layer.v_type, layer.v_unit, layer.v_embd
+        head = [
+            _HEADER.pack(
+                PAGE_MAGIC, PAGE_FORMAT_VERSION, flags, self.layout.n_layer,
+                self.start, self.n_tokens, self.layout.ext_bytes, 0,
             )
-            off += _LAYER.size
-        for arr in (self.ext, *self.k, *self.v):
-            n = arr.size
-            out[off : off + n].reshape(arr.shape)[...] = arr
-            off += n
-        return bytes(buf)
+        ]  # fmt: skip
+        head += [
+            _LAYER.pack(layer.k_type, layer.k_row, layer.v_type, layer.v_unit, layer.v_embd)
+            for layer in self.layout.layers
+        ]
+        parts = (np.ascontiguousarray(arr).data for arr in (self.ext, *self.k, *self.v))
+        return b"".join([*head, *parts])
 
 
 def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:

@@ -261,6 +261,24 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     assert mine["writes"] == 0  # everything B needed was already stored
 
 
+def test_uncompressed_pages_restore_from_the_reused_read_buffer(
+    smollm2_path: Path, tmp_path: Path, reference: list[str]
+) -> None:
+    # uncompressed pages (what GPU builds store) are served as views into one read buffer that
+    # every restore of the process reuses: three restores in a row must each be exact
+    env = l3_env(tmp_path / "l3", SKIPPY_L3__COMPRESSION="none")
+    first = run_worker(smollm2_path, env, PROMPTS)
+    again = run_worker(smollm2_path, env, PROMPTS)
+    assert first["outputs"] == again["outputs"] == reference[:3]
+    assert again["events"][0]["tier"] == "l3"
+    assert sum(e["tier"] in ("l2", "l3") for e in again["events"]) >= 2
+    mine = again["status"]["process_activity"]
+    assert mine["corrupt_entries"] == 0 and mine["hits"] >= 2
+    # stored as they are: the bytes read are the bytes restored (plus page headers)
+    restored = sum(e["restored_bytes"] for e in again["events"] if e["tier"] == "l3")
+    assert mine["bytes_read"] >= restored * 0.95
+
+
 # ---------------------------------------------------------------------- 2. no L3 reads for L1
 
 

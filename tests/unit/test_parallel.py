@@ -59,6 +59,23 @@ def test_an_early_stop_cancels_what_has_not_started() -> None:
     assert len(started) <= 1 + 8
 
 
+def test_an_early_stop_waits_for_the_items_already_running() -> None:
+    started: list[int] = []
+    finished: list[int] = []
+
+    def work(i: int) -> int:
+        if i:
+            started.append(i)
+            time.sleep(0.2)  # still running when the consumer stops
+            finished.append(i)
+        return i
+
+    with contextlib.closing(ordered(work, range(3), parallel=True)) as results:
+        assert next(results) == 0
+    # nothing writes into the caller's buffers once it is closed
+    assert started and sorted(finished) == sorted(started)
+
+
 def test_run_all_runs_every_task() -> None:
     done: list[int] = []
     run_all([lambda i=i: done.append(i) for i in range(10)], parallel=True)

@@ -483,6 +483,38 @@ def test_file_deleted_mid_life_is_a_counted_miss(open_tier: Any, store_dir: Path
     assert not tier.contains(rec.pages[1].key)
 
 
+@pytest.mark.parametrize("change", ["shorter", "longer"])
+def test_a_page_file_of_another_size_is_quarantined_on_read(
+    open_tier: Any, store_dir: Path, change: str
+) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b", "c"])
+    record_now(tier, rec)
+    path = page_file(store_dir, rec.pages[1].key)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] if change == "shorter" else data + b"\0")
+    assert tier.read(keys_of(rec)) == [rec.pages[0].payload]
+    assert tier.status().process_activity.corrupt_entries == 1
+    assert not tier.contains(rec.pages[1].key)
+
+
+def test_uncompressed_pages_are_views_into_one_buffer_per_thread(open_tier: Any) -> None:
+    tier = open_tier()
+    rec = chain(["a", "b", "c"])
+    record_now(tier, rec)
+    keys = keys_of(rec)
+    first = tier.read(keys)
+    again = tier.read(keys[:2])
+    assert all(isinstance(page, memoryview) for page in first)
+    # the same memory, no fresh allocation per read
+    assert first[0].obj is again[0].obj and again == [p.payload for p in rec.pages[:2]]
+    other: list[Any] = []
+    worker = threading.Thread(target=lambda: other.extend(tier.read(keys)))
+    worker.start()
+    worker.join()
+    assert other == [p.payload for p in rec.pages] and other[0].obj is not first[0].obj
+
+
 def test_reconciliation_removes_leftovers(open_tier: Any, store_dir: Path) -> None:
     tier = open_tier()
     rec = chain(["a", "b"])

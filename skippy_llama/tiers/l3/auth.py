@@ -38,18 +38,20 @@ class Signer:
     def enabled(self) -> bool:
         return self._secret is not None
 
-    def _tag(self, *parts: bytes) -> bytes:
+    def _tag(self, *parts: bytes | memoryview) -> bytes:
         if self._secret is None:
             return NO_TAG
         mac = hmac.new(self._secret, digestmod=hashlib.sha256)
         for part in parts:
-            mac.update(struct.pack("<Q", len(part)))
+            mac.update(
+                struct.pack("<Q", part.nbytes if isinstance(part, memoryview) else len(part))
+            )
             mac.update(part)
         return mac.digest()[:TAG_BYTES]
 
     def page(self, key: bytes, n_tokens: int, payload: bytes | memoryview) -> bytes:
         """Tag of a page: its key, token count and stored bytes."""
-        return self._tag(b"page", key, struct.pack("<I", n_tokens), bytes(payload))
+        return self._tag(b"page", key, struct.pack("<I", n_tokens), payload)
 
     def child(self, parent: bytes, key: bytes, tokens: bytes) -> bytes:
         """Tag of a child-index entry: the node, the page after it and that page's tokens."""

@@ -12,6 +12,10 @@ prefix:
 * no valid tag (the store has a secret): a miss counted as ``unauthenticated``, and quarantined
   so that a record under the secret writes it again; an unknown codec: ``unknown_codec``.
 
+Pages are read into one buffer per calling thread, reused by its next read (a fresh ``bytes``
+object per page costs its page faults, which were most of an L3 restore's read time on the
+H200); what a read returns are views into it.
+
 Hits are noted in memory per page and stored by the writer thread in batches (:class:`Touches`).
 """
 
@@ -42,9 +46,13 @@ class _Located:
 
 @dataclass(frozen=True)
 class ReadResult:
-    """The decoded pages served (a prefix of the keys asked for) and their metadata."""
+    """The decoded pages served (a prefix of the keys asked for) and their metadata.
 
-    pages: list[bytes]
+    An uncompressed page is a view into the reading thread's buffer, valid until that thread's
+    next :meth:`Reader.read`; copy what must outlive it (L2 does).
+    """
+
+    pages: list[bytes | memoryview]
     metas: list[PageMeta]
 
 
@@ -75,6 +83,20 @@ class Reader:
         self.tree = tree
         self.pins = pins
         self.touches = Touches()
+        self._local = threading.local()  # .buffer: this thread's read buffer
+
+    def _buffer(self, size: int) -> memoryview:
+        """This thread's read buffer, at least ``size`` bytes (replaced, never resized: views
+        handed out earlier keep their memory)."""
+        buf: bytearray | None = getattr(self._local, "buffer", None)
+        if buf is None or len(buf) < size:
+            buf = bytearray(size)
+            self._local.buffer = buf
+        return memoryview(buf)
+
+    def release(self) -> None:
+        """Drop the calling thread's read buffer (its memory returns at the next collection)."""
+        self._local.buffer = None
 
     def meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
         """(digest, reference count) of a stored page from its metadata alone; None when absent,
@@ -117,23 +139,37 @@ class Reader:
         if row is None:
             self._failed(key, "missing")
             return None
+        # the file's real size, not the metadata's claim, sizes the read buffer
+        try:
+            size = row.size()
+        except UntrustedRowError:
+            self._failed(key, "untrusted_payload")
+            return None
+        if size is None:
+            self._failed(key, "missing")
+            return None
+        if size != meta.size:
+            self._failed(key, "truncated" if size < meta.size else "size")
+            return None
         return _Located(key, meta, row)
 
-    def _load(self, page: _Located) -> bytes | str:
-        """Read, verify and decode one payload: the page, or why it cannot be served.
+    def _load(self, page: _Located, out: memoryview) -> bytes | memoryview | str:
+        """Read ``page`` into ``out`` (its ``meta.size`` bytes), verify and decode it: the page,
+        or why it cannot be served.
 
         Runs on any thread (file read, digest, tag and decode, no SQLite) and changes nothing:
         :meth:`_failed` acts on the reason, in order, on the caller's thread.
         """
         try:
-            payload = page.row.read()
+            size = page.row.read_into(out)
         except UntrustedRowError:
             return "untrusted_payload"
         meta = page.meta
-        if payload is None:  # the value file is gone (checked again before repairs)
+        if size is None:  # the value file is gone (checked again before repairs)
             return "missing"
-        if len(payload) != meta.size:
-            return "truncated" if len(payload) < meta.size else "size"
+        if size != meta.size:
+            return "truncated" if size < meta.size else "size"
+        payload = out
         if payload_digest(payload) != meta.digest:
             return "digest_mismatch"
         signer = self.parts.signer
@@ -147,6 +183,9 @@ class Reader:
             return "unknown_codec"
         except StateFormatError:
             return "undecodable"
+
+    def _load_slot(self, slot: tuple[_Located, memoryview]) -> bytes | memoryview | str:
+        return self._load(*slot)
 
     def _failed(self, key: bytes, reason: str) -> None:
         """Count and repair after a page that cannot be served (see the module docstring)."""
@@ -173,7 +212,7 @@ class Reader:
     def read(self, keys: Sequence[bytes]) -> ReadResult:
         """Pages of the longest prefix of ``keys`` that exists and verifies; never raises for
         storage faults (they are counted)."""
-        pages: list[bytes] = []
+        pages: list[bytes | memoryview] = []
         metas: list[PageMeta] = []
         with self.pins.local(keys):
             located: list[_Located] = []
@@ -186,8 +225,14 @@ class Reader:
                 if found is None:
                     break
                 located.append(found)
-            parallel = sum(page.meta.size for page in located) >= PARALLEL_BYTES
-            with contextlib.closing(ordered(self._load, located, parallel=parallel)) as loads:
+            total = sum(page.meta.size for page in located)
+            buffer = self._buffer(total)
+            slots: list[tuple[_Located, memoryview]] = []
+            for page in located:
+                slots.append((page, buffer[: page.meta.size]))
+                buffer = buffer[page.meta.size :]
+            parallel = total >= PARALLEL_BYTES
+            with contextlib.closing(ordered(self._load_slot, slots, parallel=parallel)) as loads:
                 for page in located:
                     try:
                         outcome = next(loads)

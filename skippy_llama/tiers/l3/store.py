@@ -23,6 +23,7 @@ import errno
 import os
 import re
 import sqlite3
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,7 @@ def read_value(directory: str, mode: int, filename: str | None, value: Any, read
 
 @dataclass(frozen=True)
 class StoredRow:
-    """Where a stored value lies, from its database row: read it with :meth:`read`, on any
+    """Where a stored value lies, from its database row: read it with :meth:`read_into`, on any
     thread (no SQLite involved), so many pages can be read at once."""
 
     directory: str
@@ -88,13 +89,62 @@ class StoredRow:
     filename: str | None
     value: Any
 
-    def read(self) -> bytes | None:
-        """The value; None when its file is gone (see :func:`read_value` for what raises)."""
+    def size(self) -> int | None:
+        """The value's length without reading it; None when its file is gone.
+
+        Raises:
+            UntrustedRowError, TransientReadError: as :func:`read_value`.
+        """
+        if self.mode == MODE_RAW:
+            return len(self.value)
+        if self.mode != MODE_BINARY:
+            raise UntrustedRowError(f"a stored value of mode {self.mode} (pickle or text)")
+        path = checked_path(self.directory, self.filename)
         try:
-            data = read_value(self.directory, self.mode, self.filename, self.value, False)
+            info = os.lstat(path)
         except FileNotFoundError:
             return None
-        return data if isinstance(data, bytes) else None
+        except OSError as exc:
+            raise TransientReadError(f"reading a stored value failed: {exc}") from exc
+        if not stat.S_ISREG(info.st_mode):  # as open() failing on it would: kept, not trusted
+            raise TransientReadError(f"stored value {self.filename} is not a regular file")
+        return info.st_size
+
+    def read_into(self, out: memoryview) -> int | None:
+        """Read the value into ``out`` when it is exactly ``len(out)`` bytes long; returns the
+        value's length (the caller compares it), or None when its file is gone.
+
+        A page read into a reused buffer skips the page faults of a fresh ``bytes`` object:
+        reading 720 MB of pages from the page cache that way is several times faster (a probe
+        on this machine: 2-3 GB/s into fresh objects, 9-13 GB/s into one reused buffer). A
+        file that changes size while it is read reports the bytes it gave.
+
+        Raises:
+            UntrustedRowError, TransientReadError: as :func:`read_value`.
+        """
+        if self.mode == MODE_RAW:
+            value = self.value
+            if len(value) == len(out):
+                out[:] = value
+            return len(value)
+        try:
+            handle = read_value(self.directory, self.mode, self.filename, self.value, True)
+        except FileNotFoundError:
+            return None
+        try:
+            with handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size != len(out):
+                    return size
+                done = 0
+                while done < size:
+                    n = handle.readinto(out[done:])
+                    if not n:
+                        break
+                    done += n
+                return done
+        except OSError as exc:
+            raise TransientReadError(f"reading a stored value failed: {exc}") from exc
 
 
 class UntrustedKey:
@@ -240,7 +290,7 @@ class _Rows:
         return None if found is None else StoredRow(str(self.directory), *found)
 
     def refuse(self, key: bytes) -> None:
-        """Count a row whose value turned out not to be L3's (see :meth:`StoredRow.read`)."""
+        """Count a row whose value turned out not to be L3's (see :meth:`StoredRow.read_into`)."""
         self.untrusted_rows += 1
 
     def count(self, kind: bytes) -> int:

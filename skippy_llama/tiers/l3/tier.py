@@ -274,9 +274,10 @@ class DiskTier:
         """Count a lookup that found nothing in L3 without calling :meth:`read`."""
         self._parts.counters.add("misses")
 
-    def read(self, keys: Sequence[bytes]) -> list[bytes]:
+    def read(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
         """Decoded pages of the longest prefix of ``keys`` that exists and verifies (see
-        ``reader.py`` for what happens to a page that does not). Never raises."""
+        ``reader.py`` for what happens to a page that does not, and how long a view stays
+        valid). Never raises."""
         counters = self._parts.counters
         if not self.serving or not keys:
             counters.add("misses")
