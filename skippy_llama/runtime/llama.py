@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -32,6 +33,7 @@ from ..cache import LookupResult, PrefixCache
 from ..config import Settings, load_settings
 from ..errors import StateFormatError, TierError
 from ..events import CacheEvent
+from ..hostmem import HostBuffer, fit
 from ..identity import CacheIdentity, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
@@ -140,7 +142,7 @@ class SkippyLlama(llama_cpp.Llama):
         # captures (never both at once: a capture's pages are copied out before it returns); a
         # fresh one each time spends longer in page faults than the state call takes (measured:
         # 0.48 s for 720 MB on the H200 host)
-        self._state_buf = bytearray()
+        self._state_buf: HostBuffer = bytearray()
         settings = self.cache_settings
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
         # sequence 1 doubles as the scratch sequence of range captures for L3 records
@@ -461,10 +463,16 @@ class SkippyLlama(llama_cpp.Llama):
         """
         mode = self.cache_settings.l1.repair_generated
         repair = mode == "always" or (mode == "auto" and self._reply_repairable)
-        if repair and exact == self._aligned(self._reply_start) and self.n_tokens > exact:
+        if repair and exact == self._aligned(self._reply_start) and self._gains_boundary(exact):
             event.repaired_tokens = self._repair()
             exact = self._exact
         self._park(exact)
+
+    def _gains_boundary(self, exact: int) -> bool:
+        """Whether re-decoding the cells after ``exact`` makes more of them exact: only up to
+        the last canonical boundary (the cells after it are decoded again by the next prefill
+        on a batch-split-sensitive backend), so a reply inside one granule gains nothing."""
+        return self._aligned(self.n_tokens) > exact
 
     def _exact_tokens(self) -> int:
         return min(self._exact, self.n_tokens)
@@ -503,7 +511,7 @@ class SkippyLlama(llama_cpp.Llama):
         if base + sum(p.n_tokens for p in pages) != found.n_tokens:
             raise StateFormatError("restored pages do not cover the planned prefix")
         size = assembled_size(pages, self.kv_layout, start=base)
-        self._state_buf = native.fit(self._state_buf, size)
+        self._state_buf = fit(self._state_buf, size)
         assemble_into(self._state_buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
         if base:
             self._place_base(found)
@@ -665,7 +673,7 @@ class SkippyLlama(llama_cpp.Llama):
             view = native.capture_range(
                 self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end, self._state_buf
             )
-        assert isinstance(view.obj, bytearray)
+        assert isinstance(view.obj, bytearray | mmap.mmap)
         self._state_buf = view.obj
         return view
 
@@ -718,7 +726,11 @@ class SkippyLlama(llama_cpp.Llama):
             return 0
         exact = self._live_exact()
         # one token alone cannot be decoded as a batch: the next prefill takes it along
-        if exact != self._aligned(self._reply_start) or self.n_tokens - exact < 2:
+        if (
+            exact != self._aligned(self._reply_start)
+            or not self._gains_boundary(exact)
+            or self.n_tokens - exact < 2
+        ):
             return 0
         repaired: list[int] = []
         if not self._guard("prepare", None, lambda: repaired.append(self._repair())):

@@ -12,17 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import TierError
+from ..hostmem import HostBuffer, fit
 
 _GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "SYCL", "HIP", "MUSA", "CANN", "OpenCL")
 
 
-def fit(buf: bytearray | None, size: int) -> bytearray:
-    """``buf`` when it holds ``size`` bytes, else a fresh buffer of ``size`` (the caller keeps
-    the larger one through ``memoryview.obj``)."""
-    return buf if buf is not None and len(buf) >= size else bytearray(size)
-
-
-def get_seq_state(ctx: Any, seq_id: int, buf: bytearray | None = None) -> memoryview:
+def get_seq_state(ctx: Any, seq_id: int, buf: HostBuffer | None = None) -> memoryview:
     """Serialize sequence ``seq_id`` (``llama_state_seq_get_data``) into ``buf`` (see
     :func:`fit`; a fresh buffer when None): a view of the bytes written."""
     size = int(llama_cpp.llama_state_seq_get_size(ctx, seq_id))
@@ -36,7 +31,7 @@ def get_seq_state(ctx: Any, seq_id: int, buf: bytearray | None = None) -> memory
     return memoryview(out)[:size]
 
 
-def set_seq_state(ctx: Any, blob: bytearray, seq_id: int, size: int | None = None) -> bool:
+def set_seq_state(ctx: Any, blob: HostBuffer, seq_id: int, size: int | None = None) -> bool:
     """Restore the first ``size`` (default all) bytes of ``blob`` into sequence ``seq_id``,
     which llama.cpp clears first; True on success."""
     size = len(blob) if size is None else size
@@ -51,7 +46,7 @@ def _checked_size(n: int, what: str) -> int:
 
 
 def capture_range(
-    ctx: Any, src: int, scratch: int, p0: int, p1: int, buf: bytearray | None = None
+    ctx: Any, src: int, scratch: int, p0: int, p1: int, buf: HostBuffer | None = None
 ) -> memoryview:
     """Serialize only the cells of ``src`` at positions ``[p0, p1)`` into ``buf`` (host memory;
     see :func:`get_seq_state`).

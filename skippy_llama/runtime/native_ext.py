@@ -19,7 +19,7 @@ import llama_cpp
 from llama_cpp import llama_cpp as _bindings
 
 from ..errors import TierError
-from . import native
+from ..hostmem import HostBuffer, fit
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,10 @@ def range_export_size(ctx: Any, seq_id: int, p0: int, p1: int) -> int:
 
 
 def range_export(
-    ctx: Any, seq_id: int, p0: int, p1: int, buf: bytearray | None = None
+    ctx: Any, seq_id: int, p0: int, p1: int, buf: HostBuffer | None = None
 ) -> memoryview:
     """The state of ``seq_id``'s cells with positions in ``[p0, p1)`` (``p1 < 0``: to the end),
-    written into ``buf`` (see :func:`native.fit`; a fresh buffer when None).
+    written into ``buf`` (see :func:`~skippy_llama.hostmem.fit`; a fresh buffer when None).
 
     Raises :class:`TierError` when the library cannot export (stock build, unsupported cache type).
     """
@@ -103,7 +103,7 @@ def range_export(
     size = int(calls.range_get_size(ctx, seq_id, p0, p1))
     if size == 0:
         raise TierError(f"range export of sequence {seq_id} [{p0}, {p1}) is not supported here")
-    out = native.fit(buf, size)
+    out = fit(buf, size)
     arr = (ctypes.c_uint8 * size).from_buffer(out)
     written = int(calls.range_get_data(ctx, arr, size, seq_id, p0, p1))
     if written != size:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import LayoutMismatchError, StateFormatError
+from ..hostmem import HostBuffer
 from ..parallel import PARALLEL_BYTES, run_all
 from .format import STATE_MAGIC, U8, SequenceState
 from .layout import KVLayout, LayerLayout, type_name
@@ -320,7 +321,7 @@ def assembled_size(pages: Sequence[Page], layout: KVLayout, *, start: int = 0) -
 
 
 def assemble_into(
-    out: bytearray, pages: Sequence[Page], layout: KVLayout, seq_id: int = 0, *, start: int = 0
+    out: HostBuffer, pages: Sequence[Page], layout: KVLayout, seq_id: int = 0, *, start: int = 0
 ) -> int:
     """:func:`assemble` into the start of a caller's buffer (reused across restores, a large
     blob costs no fresh allocation and page faults); returns the bytes written."""

@@ -410,6 +410,10 @@ def test_flipped_byte_is_quarantined_and_never_served(
     c = run_worker(smollm2_path, l3_env(store), PROMPTS[:1])
     assert c["outputs"] == reference[:1]
     assert c["status"]["usage"]["quarantined"] == 1
+    if c["restores_skipped"]:
+        # a GPU's cost model served it cold: restoring lost to a prefill of this small model
+        assert c["granule"] > 1 and c["events"][0]["tier"] == "cold"
+        return
     assert c["events"][0]["tier"] == "l3"
     if c["granule"] == 1:
         assert c["events"][0]["cached_tokens"] == repeat_point(c, 0)
@@ -554,7 +558,11 @@ def test_truncated_and_deleted_page_files_fail_open(
         truncated = llm.last_cache_event
         assert truncated is not None
         intact = sum(page[1] for page in pages[:-1])
-        assert truncated.tier == "l3" and truncated.cached_tokens == aligned(llm, intact)
+        if llm.prefix_cache.counters.restores_skipped:
+            # a GPU's cost model declined the shorter restore (it lost to a prefill there)
+            assert llm.granule > 1 and truncated.tier == "cold"
+        else:
+            assert truncated.tier == "l3" and truncated.cached_tokens == aligned(llm, intact)
         assert disk.status().process_activity.corrupt_entries == 1
         complete(llm, UNRELATED)
 

@@ -36,8 +36,11 @@ def test_a_prepared_reply_is_reused_with_the_logits_of_a_cold_prefill(smollm2_pa
     try:
         assert with_prep.prepare_next_turn() == 0  # nothing decoded yet
         events, texts, logits = [], [], []
+        # a reply that reaches past a canonical boundary (where the granule is over one token,
+        # re-decoding a reply inside one granule gains nothing, and prepare does nothing)
+        max_tokens = 12 + with_prep.granule
         for llm, prepare in ((with_prep, True), (without, False)):
-            reply = llm.create_completion(PROMPT, max_tokens=12, temperature=0.0)
+            reply = llm.create_completion(PROMPT, max_tokens=max_tokens, temperature=0.0)
             n_generated = reply["usage"]["completion_tokens"]
             if prepare:
                 prepared = llm.prepare_next_turn()
@@ -73,6 +76,29 @@ def test_a_prepared_reply_is_reused_with_the_logits_of_a_cold_prefill(smollm2_pa
     assert status["parked"] == status["parked_ahead"] == 0  # one chat: nothing to keep aside
 
 
+def test_prepare_re_decodes_only_what_reaches_a_whole_granule(smollm2_path: Path) -> None:
+    """With reuse on whole granules (flash attention on the CPU: the kernels depend on the batch
+    split), re-decoding a reply that ends inside the granule it starts in makes no cell exact:
+    prepare skips it, and a prepared reply is never re-decoded again."""
+    llm = SkippyLlama(
+        str(smollm2_path), n_ctx=2048, verbose=False, flash_attn=True, n_batch=64, n_ubatch=64
+    )
+    try:
+        granule = llm.granule
+        short = llm.create_completion(PROMPT, max_tokens=2, temperature=0.0)
+        assert granule == 64 and short["usage"]["completion_tokens"] == 2
+        start = len(llm.tokenize(PROMPT.encode()))
+        inside = start // granule == (start + 1) // granule  # the evaluated reply token
+        assert llm.prepare_next_turn() == 0 or not inside
+        llm.create_completion(PROMPT, max_tokens=12 + granule, temperature=0.0)
+        prepared = llm.prepare_next_turn()
+        assert prepared >= granule
+        assert llm.prepare_next_turn() == 0  # the tail after the last boundary stays as it is
+        assert llm.cache_status()["counters"]["turns_prepared"] == 1 + int(not inside)
+    finally:
+        llm.close()
+
+
 def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], list[object]]:
     """Two chats served turn by turn; ``prepare``: between requests, as a server does."""
     histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(2)]
@@ -106,7 +132,8 @@ def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: P
         cold.close()
     assert got == want
     assert all(isinstance(e, CacheEvent) and e.repaired_tokens == 0 for e in events)
-    assert status["turns_prepared"] == 4
+    # (where the granule is over one token, a reply inside one granule is not re-decoded)
+    assert status["turns_prepared"] == 4 or (granule > 1 and status["turns_prepared"] <= 4)
     # chat A is checkpointed when chat B first displaces it, on that request; every later turn
     # was checkpointed when prepared, so the requests that displaced them paid no checkpoint
     # (on GPU builds a checkpoint may not pay for a short chat: then none is taken)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ...codecs import decode
 from ...errors import StateFormatError, StoreDataError, UnknownCodecError, UntrustedRowError
+from ...hostmem import fit
 from ...parallel import PARALLEL_BYTES, ordered
 from .context import Parts
 from .pins import Pins
@@ -88,10 +89,8 @@ class Reader:
     def _buffer(self, size: int) -> memoryview:
         """This thread's read buffer, at least ``size`` bytes (replaced, never resized: views
         handed out earlier keep their memory)."""
-        buf: bytearray | None = getattr(self._local, "buffer", None)
-        if buf is None or len(buf) < size:
-            buf = bytearray(size)
-            self._local.buffer = buf
+        buf = fit(getattr(self._local, "buffer", None), size)
+        self._local.buffer = buf
         return memoryview(buf)
 
     def release(self) -> None:
