@@ -30,6 +30,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from skippy_llama import hostmem
 from skippy_llama.config import Settings
 from skippy_llama.runtime import native
 from skippy_llama.runtime.llama import SkippyLlama
@@ -174,8 +175,19 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=600, help="new tokens per chat turn")
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--flash-attn", type=int, default=1)
+    parser.add_argument(
+        "--buffers",
+        choices=["default", "bytearray", "small-pages"],
+        default="default",
+        help="host buffers for KV bytes, to compare: the runtime's (mappings with huge pages), "
+        "plain bytearrays, or mappings without huge pages",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.buffers == "bytearray":
+        hostmem.MAPPED_BYTES = 1 << 62
+    elif args.buffers == "small-pages":
+        hostmem.HUGE_PAGES = False
     n_ctx = max([*args.sizes, args.chat]) + 1024
     common = {
         "n_ctx": n_ctx,
@@ -188,6 +200,7 @@ def main() -> None:
         "backend": native.backend_name(),
         "devices": native.device_names(),
         "settings": {k: v for k, v in common.items() if k != "verbose"},
+        "buffers": args.buffers,
         "sizes": [],
     }
     for n in args.sizes:

@@ -21,6 +21,8 @@ HostBuffer = bytearray | mmap.mmap
 
 #: Below this a mapping is not worth its system calls: a plain ``bytearray``.
 MAPPED_BYTES = 4 << 20
+#: Ask for transparent huge pages (``benchmarks/bench_gpu.py --buffers`` compares without).
+HUGE_PAGES = True
 
 
 def host_buffer(size: int) -> HostBuffer:
@@ -30,7 +32,7 @@ def host_buffer(size: int) -> HostBuffer:
     flags = getattr(mmap, "MAP_PRIVATE", None)
     buf = mmap.mmap(-1, size) if flags is None else mmap.mmap(-1, size, flags=flags)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
+    if advice is not None and HUGE_PAGES:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             buf.madvise(advice)
     return buf

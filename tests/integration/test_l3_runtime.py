@@ -642,7 +642,10 @@ def test_a_new_process_starts_with_the_costs_the_last_one_measured(
         # its first record is decided by those costs, not by the unmeasured write-through
         assert complete(second, PROMPTS[2]) == reference[2]
         assert disk.flush(60)
-        assert admission.counters.fallback == 0 and admission.counters.admitted >= 1
+        counters = admission.counters
+        assert counters.fallback == 0 and counters.admitted + counters.rejected >= 1
+        # (a GPU prefills this small model faster than a restore reads it: rejected there)
+        assert counters.admitted >= 1 or second.granule > 1
         assert disk.status().process_activity.damaged_costs == 0
     finally:
         second.close()

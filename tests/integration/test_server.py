@@ -179,8 +179,11 @@ def test_a_pause_after_a_reply_lets_the_next_turn_reuse_it(
         usages.append(_chat_turn(client, direct, history, f"cyd: {question}"))
         time.sleep(1.5)  # the user reads the reply and types
     process = _get(server, "/v1/kv-cache/status")["process"]
-    assert process["turns_prepared"] >= before + 2, process
-    assert process["tokens_prepared"] > 0
+    # where reuse ends on whole granules (GPU builds), a short reply inside one granule has
+    # nothing to gain from re-decoding and is left as it is
+    if direct.granule == 1:
+        assert process["turns_prepared"] >= before + 2, process
+        assert process["tokens_prepared"] > 0
     metrics = _families(_get(server, "/metrics"))
     assert _value(metrics, "skippy_turns_prepared") >= process["turns_prepared"]
     # the second turn reused the first turn's prompt and its reply, not only the prompt (on
