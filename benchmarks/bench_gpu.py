@@ -177,17 +177,17 @@ def main() -> None:
     parser.add_argument("--flash-attn", type=int, default=1)
     parser.add_argument(
         "--buffers",
-        choices=["default", "bytearray", "small-pages"],
+        choices=["default", "bytearray", "huge"],
         default="default",
-        help="host buffers for KV bytes, to compare: the runtime's (mappings with huge pages), "
-        "plain bytearrays, or mappings without huge pages",
+        help="host buffers for KV bytes, to compare: the runtime's (lazily zeroed mappings), "
+        "plain bytearrays, or mappings with transparent huge pages",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.buffers == "bytearray":
         hostmem.MAPPED_BYTES = 1 << 62
-    elif args.buffers == "small-pages":
-        hostmem.HUGE_PAGES = False
+    elif args.buffers == "huge":
+        hostmem.HUGE_PAGES = True
     n_ctx = max([*args.sizes, args.chat]) + 1024
     common = {
         "n_ctx": n_ctx,

@@ -4,11 +4,15 @@
 for the 720 MB of a 32k-token prefix of a 1B model that is hundreds of milliseconds of page
 faults on one core, paid again by every fresh buffer. An anonymous mapping costs nothing until
 it is written; the kernel then supplies zeroed pages where they are first touched, by the pool
-threads that fill the buffer in parallel, and with huge pages where the kernel offers them
-(``MADV_HUGEPAGE``: one fault per 2 MiB instead of per 4 KiB). Measured on this 2-core machine
-(360 MB written by two threads): 225 ms for a fresh ``bytearray`` (zero-fill) plus 30 ms to
-write it, 120-130 ms for a mapping with 4 KiB pages, 40-45 ms with huge pages (one outlier of
-640 ms while the kernel compacted memory for them).
+threads that fill the buffer in parallel.
+
+Huge pages (``MADV_HUGEPAGE``, one fault per 2 MiB) are not asked for: where memory is
+fragmented the kernel compacts it inside the fault (``defrag=madvise``, the common default). On
+this 2-core machine a fresh SmolLM2 process's first L3 restore of 3,500 tokens took 46-49 ms
+with 4 KiB pages, 66-86 ms with ``bytearray`` buffers and 180-209 ms with huge pages, and its
+first capture 115-137 / 109-125 / 219-263 ms (``bench_gpu.py --buffers``, see
+benchmarks/README.md). On the freshly started H200 host huge pages made a 720 MB L3 restore 2.6×
+faster than ``bytearray`` buffers; 4 KiB pages were not measured there.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ HostBuffer = bytearray | mmap.mmap
 
 #: Below this a mapping is not worth its system calls: a plain ``bytearray``.
 MAPPED_BYTES = 4 << 20
-#: Ask for transparent huge pages (``benchmarks/bench_gpu.py --buffers`` compares without).
-HUGE_PAGES = True
+#: Ask for transparent huge pages (see the module docstring; ``bench_gpu.py --buffers huge``).
+HUGE_PAGES = False
 
 
 def host_buffer(size: int) -> HostBuffer:
