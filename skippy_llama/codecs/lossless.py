@@ -61,7 +61,7 @@ def decode(stored: bytes | memoryview, n_tokens: int | None = None) -> bytes | m
     if magic == _RAW_MAGIC:
         return stored  # the page itself: a view stays a view (no copy)
     if magic != _ZSTD_MAGIC:
-        raise UnknownCodecError(f"stored page has unknown codec magic {bytes(magic)!r}")
+        raise UnknownCodecError(f"stored page has unknown codec magic {magic!r}")
     frame = memoryview(stored)[4:]
     if len(frame) < 16:
         raise StateFormatError("compressed page is shorter than its frame header")

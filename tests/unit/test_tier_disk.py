@@ -513,6 +513,8 @@ def test_uncompressed_pages_are_views_into_one_buffer_per_thread(open_tier: Any)
     worker.start()
     worker.join()
     assert other == [p.payload for p in rec.pages] and other[0].obj is not first[0].obj
+    tier.close()  # gives the closing thread's buffer back
+    assert getattr(tier._reader._local, "buffer", None) is None
 
 
 def test_reconciliation_removes_leftovers(open_tier: Any, store_dir: Path) -> None:

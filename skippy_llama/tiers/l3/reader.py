@@ -94,7 +94,8 @@ class Reader:
         return memoryview(buf)
 
     def release(self) -> None:
-        """Drop the calling thread's read buffer (its memory returns at the next collection)."""
+        """Drop the calling thread's read buffer (on close: a restored prefix's size of memory
+        would otherwise stay with the tier object)."""
         self._local.buffer = None
 
     def meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:

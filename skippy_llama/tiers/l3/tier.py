@@ -330,6 +330,7 @@ class DiskTier:
             self.flush(timeout)
         self._closed = True
         self._writer.stop()
+        self._reader.release()
         if store is not None:
             with contextlib.suppress(Exception):
                 self._maintenance.run()
