@@ -48,7 +48,7 @@ def timed(base: type[T]) -> type[T]:
             self.matrix_timing = timing
             started = last = time.perf_counter()
 
-            def tick(i: int) -> None:
+            def tick(i: int, _token: int) -> None:
                 nonlocal last
                 now = time.perf_counter()
                 if i == 0:

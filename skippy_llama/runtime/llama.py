@@ -51,9 +51,10 @@ from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
 from ..tiers.resident_costs import ResidentCosts
 from . import native, native_ext
+from .chat_head import template_head
 from .identity_params import build_identity
 from .recipe import native_verdict
-from .timing import on_first_token
+from .timing import on_tokens
 
 log = logging.getLogger("skippy_llama")
 
@@ -138,6 +139,8 @@ class SkippyLlama(llama_cpp.Llama):
         self._reply_start = 0
         self._reply_repairable = False
         self._epoch = 0  # request counter: a stream finalized late must not touch a newer one
+        self._head: list[int] | None = None  # the chat template's head, once looked up
+        self._last_sampled: int | None = None  # the last request's last token (not evaluated)
         # one host buffer, grown to the largest use, for the blobs of L2/L3 restores and L3
         # captures (never both at once: a capture's pages are copied out before it returns); a
         # fresh one each time spends longer in page faults than the state call takes (measured:
@@ -606,14 +609,20 @@ class SkippyLlama(llama_cpp.Llama):
         self._restore(prompt, event)
         self._in_generate = True
 
-        def first() -> None:
+        self._last_sampled = None
+
+        def seen(i: int, token: int) -> None:
+            # the caller stops after a token without evaluating it (end of generation, length)
+            self._last_sampled = token
+            if i:
+                return
             event.ttft_ms = (time.perf_counter() - started) * 1e3
             event.prefill_ms = event.ttft_ms - event.park_ms - event.lookup_ms - event.restore_ms
             suffix = event.prompt_tokens - event.cached_tokens
             self._l1_costs.observe_prefill(suffix, event.prefill_ms / 1e3)
 
         try:
-            yield from on_first_token(super().generate(tokens, *args, **kwargs), first)
+            yield from on_tokens(super().generate(tokens, *args, **kwargs), seen)
         finally:
             # a stream abandoned by its caller is finalized whenever it is collected, maybe in
             # the middle of a newer request: then it must leave the working sequence alone
@@ -684,19 +693,20 @@ class SkippyLlama(llama_cpp.Llama):
             cache.disk.close()
         super().close()
 
-    def _repair(self) -> int:
-        """Re-decode the last reply as one batch so its cells equal a cold prefill's.
+    def _repair(self, ahead: Sequence[int] = ()) -> int:
+        """Re-decode the last reply as one batch so its cells equal a cold prefill's, and decode
+        ``ahead`` (tokens predicted to follow it) in the same batch.
 
         Tokens decoded one at a time take llama.cpp's single-row kernels, whose results differ
         in the low bits from the batched prefill a cold prompt would get; keeping them as they
-        are would make a later turn's output depend on the cache. Returns the tokens re-decoded.
+        are would make a later turn's output depend on the cache. Returns the tokens decoded.
         """
         start = self._aligned(self._reply_start)
-        generated = self.input_ids[start : self.n_tokens].tolist()
+        tokens = [*self.input_ids[start : self.n_tokens].tolist(), *ahead]
         native.seq_rm(self.ctx, WORKING_SEQ, start, -1)
         self.n_tokens = start
-        self._decode(generated)
-        return len(generated)
+        self._decode(tokens)
+        return len(tokens)
 
     def prepare_next_turn(self) -> int:
         """Do now what the next request would otherwise do first: re-decode the last reply,
@@ -708,8 +718,11 @@ class SkippyLlama(llama_cpp.Llama):
         while nothing else is waiting (a chat app while its user types; ``skippy-llama serve``
         when no request follows a reply within ``--idle-repair-after``), this re-decodes the
         reply as one batch, on the same canonical boundaries a cold prefill uses, so the next
-        turn reuses it and prefills only its new tokens. Outputs do not change: the cells are
-        those a cold prefill computes. Like every ``Llama`` method it must not run concurrently
+        turn reuses it and prefills only its new tokens. After a chat reply the batch also
+        holds the tokens the chat template puts before the next user message (``chat_head.py``),
+        which the next prompt then reuses too. Outputs do not change: the cells are those a
+        cold prefill computes, and a next prompt that does not continue that way keeps only
+        what matches. Like every ``Llama`` method it must not run concurrently
         with another call on the same object.
 
         Once a prompt has left the live sequence in this process (several chats or documents
@@ -719,7 +732,7 @@ class SkippyLlama(llama_cpp.Llama):
         and pays no checkpoint here.
 
         Returns:
-            the tokens re-decoded: 0 when there is nothing to do (no reply in the live
+            the tokens decoded: 0 when there is nothing to do (no reply in the live
             sequence, already prepared, caching off, or a streamed reply still being read).
         """
         if not self.caching or self._in_generate:
@@ -732,8 +745,9 @@ class SkippyLlama(llama_cpp.Llama):
             or self.n_tokens - exact < 2
         ):
             return 0
+        ahead = self._predicted_continuation() if self._reply_repairable else []
         repaired: list[int] = []
-        if not self._guard("prepare", None, lambda: repaired.append(self._repair())):
+        if not self._guard("prepare", None, lambda: repaired.append(self._repair(ahead))):
             self._drop_working()  # a half-repaired reply is neither the old cells nor exact
             return 0
         counters = self.prefix_cache.counters
@@ -745,6 +759,19 @@ class SkippyLlama(llama_cpp.Llama):
             self._guard("park", None, lambda: self._park(self._exact_tokens()))
             counters.parked_ahead += counters.parked - parked
         return repaired[0]
+
+    def _predicted_continuation(self) -> list[int]:
+        """How a chat's next prompt continues the live reply: its last sampled token, which the
+        reply's text holds unless it ended the generation, then the template's head (see
+        ``chat_head.py``; found once per model). Empty where the template gives no head."""
+        if self._head is None:
+            self._head = template_head(self)
+        last = self._last_sampled
+        if not self._head or last is None:
+            return []
+        if llama_cpp.llama_vocab_is_eog(self._model.vocab, last):
+            return self._head  # the template writes its own end of turn
+        return [last, *self._head]
 
     def eval(self, tokens: Sequence[int]) -> None:
         """``Llama.eval`` that restores a cached prefix first when called on its own.

@@ -7,9 +7,9 @@ from collections.abc import Callable, Generator, Sequence
 TokenGen = Generator[int, Sequence[int] | None, None]
 
 
-def on_tokens(inner: TokenGen, callback: Callable[[int], None]) -> TokenGen:
-    """Re-yield ``inner`` (forwarding ``send`` values), calling ``callback(i)`` as its ``i``-th
-    token (from 0) arrives, before it is yielded.
+def on_tokens(inner: TokenGen, callback: Callable[[int, int], None]) -> TokenGen:
+    """Re-yield ``inner`` (forwarding ``send`` values), calling ``callback(i, token)`` as its
+    ``i``-th token (from 0) arrives, before it is yielded.
 
     ``inner`` is closed when this generator is closed, so ``Llama.generate``'s cleanup runs when
     a caller stops early (stop sequence, ``max_tokens``).
@@ -22,7 +22,7 @@ def on_tokens(inner: TokenGen, callback: Callable[[int], None]) -> TokenGen:
                 token = next(inner) if i == 0 else inner.send(sent)
             except StopIteration:
                 return
-            callback(i)
+            callback(i, token)
             i += 1
             sent = yield token
     finally:
@@ -31,4 +31,4 @@ def on_tokens(inner: TokenGen, callback: Callable[[int], None]) -> TokenGen:
 
 def on_first_token(inner: TokenGen, callback: Callable[[], None]) -> TokenGen:
     """:func:`on_tokens` calling ``callback`` at the first token only."""
-    return on_tokens(inner, lambda i: callback() if i == 0 else None)
+    return on_tokens(inner, lambda i, _: callback() if i == 0 else None)

@@ -12,6 +12,7 @@ from modelhelpers import TEXT, aligned, cold_logits, last_logits
 from skippy_llama.config import Settings
 from skippy_llama.events import CacheEvent
 from skippy_llama.runtime.baseline import ColdLlama
+from skippy_llama.runtime.chat_head import template_head
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.workload import SYSTEM_PROMPT
 
@@ -97,6 +98,49 @@ def test_prepare_re_decodes_only_what_reaches_a_whole_granule(smollm2_path: Path
         assert llm.cache_status()["counters"]["turns_prepared"] == 1 + int(not inside)
     finally:
         llm.close()
+
+
+def test_a_prepared_chat_turn_also_reuses_the_templates_head(smollm2_path: Path) -> None:
+    """After a chat reply, prepare decodes the template's glue before the next user message
+    (ChatML: ``<|im_end|>\n<|im_start|>user\n``) with the reply (after its last sampled token
+    when the reply was cut by ``max_tokens``), so the next turn prefills only from the new
+    message on; its logits still equal a cold prefill's, bit for bit."""
+    llm = _skippy(smollm2_path)
+    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        head = template_head(llm)
+        assert [llm._model.token_get_text(t) for t in head] == [
+            "<|im_end|>", "Ċ", "<|im_start|>", "user", "Ċ"
+        ]  # fmt: skip
+        history = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": QUESTIONS[0][0]},
+        ]
+        reply = llm.create_chat_completion(messages=history, max_tokens=12, temperature=0)
+        live = llm.n_tokens  # the prompt and the reply's evaluated tokens
+        prepared = llm.prepare_next_turn()
+        # the head, after the reply's last sampled token where that was not its end of turn
+        ahead = llm.n_tokens - live
+        assert ahead in (len(head), len(head) + 1) and prepared > ahead
+        predicted = llm.input_ids[live : live + ahead].tolist()
+        assert predicted[-len(head) :] == head
+        history += [
+            {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": QUESTIONS[1][0]},
+        ]
+        llm.create_chat_completion(messages=history, max_tokens=1, temperature=0)
+        event = llm.last_cache_event
+        assert event is not None
+        tokens = llm.input_ids[: event.prompt_tokens].tolist()
+        got = last_logits(llm)
+        want = cold_logits(cold, tokens)
+    finally:
+        llm.close()
+        cold.close()
+    # the reply and the head were reused: the prefill starts at the new message
+    assert tokens[live : live + ahead] == predicted
+    assert event.cached_tokens >= aligned(llm, live + ahead)
+    assert np.array_equal(got, want)
 
 
 def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], list[object]]:
