@@ -68,8 +68,9 @@ def template_head(llm: llama_cpp.Llama) -> list[int]:
 
         bos = not whole.added_special
         full, head = tokens(whole.prompt, bos), tokens(whole.prompt[len(before) : at], False)
-        start = len(tokens(before, bos))
-        if not 0 < len(head) <= MAX_HEAD_TOKENS or full[start : start + len(head)] != head:
+        prefix = tokens(before, bos)
+        start = len(prefix)
+        if not 0 < len(head) <= MAX_HEAD_TOKENS or full[: start + len(head)] != prefix + head:
             return []  # the pieces tokenize differently from the whole: no safe prediction
         return head
     except Exception as exc:  # a template that does not render this conversation
