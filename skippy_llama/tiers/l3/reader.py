@@ -57,6 +57,16 @@ class ReadResult:
     metas: list[PageMeta]
 
 
+def _size_problem(size: int | None, expected: int) -> str | None:
+    """Why a payload of ``size`` bytes (None: its file is gone) cannot be the page's
+    ``expected`` bytes, or None when it can."""
+    if size is None:
+        return "missing"  # checked again before repairs
+    if size != expected:
+        return "truncated" if size < expected else "size"
+    return None
+
+
 class Touches:
     """Per-page hits and last-use times waiting to be stored (page key -> (last use, hits))."""
 
@@ -141,15 +151,11 @@ class Reader:
             return None
         # the file's real size, not the metadata's claim, sizes the read buffer
         try:
-            size = row.size()
+            problem = _size_problem(row.size(), meta.size)
         except UntrustedRowError:
-            self._failed(key, "untrusted_payload")
-            return None
-        if size is None:
-            self._failed(key, "missing")
-            return None
-        if size != meta.size:
-            self._failed(key, "truncated" if size < meta.size else "size")
+            problem = "untrusted_payload"
+        if problem is not None:
+            self._failed(key, problem)
             return None
         return _Located(key, meta, row)
 
@@ -165,10 +171,9 @@ class Reader:
         except UntrustedRowError:
             return "untrusted_payload"
         meta = page.meta
-        if size is None:  # the value file is gone (checked again before repairs)
-            return "missing"
-        if size != meta.size:
-            return "truncated" if size < meta.size else "size"
+        problem = _size_problem(size, meta.size)  # the file may have changed since it was located
+        if problem is not None:
+            return problem
         payload = out
         if payload_digest(payload) != meta.digest:
             return "digest_mismatch"
