@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 
 #: What the runtime and the tiers fill with KV bytes and hand to llama.cpp (writable buffers).
 HostBuffer = bytearray | mmap.mmap
@@ -46,3 +47,31 @@ def fit(buf: HostBuffer | None, size: int) -> HostBuffer:
     """``buf`` when it holds ``size`` bytes, else a fresh :func:`host_buffer` of ``size`` (the
     caller keeps the larger one, e.g. through ``memoryview.obj``)."""
     return buf if buf is not None and len(buf) >= size else host_buffer(size)
+
+
+class BufferPool:
+    """Host buffers passed between threads: :meth:`take` one, :meth:`give` it back when done.
+
+    The runtime captures a record into a buffer and hands it to the L3 writer, which cuts the
+    pages out of it later; the next capture or restore must not write into it meanwhile. The
+    pool keeps the ``keep`` largest buffers given back, so in the steady state a process holds
+    one warm buffer (written again without page faults), and a second only while the writer
+    still reads the first.
+    """
+
+    def __init__(self, keep: int = 1) -> None:
+        self._keep = keep
+        self._free: list[HostBuffer] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> HostBuffer:
+        """The largest buffer given back, or an empty one (:func:`fit` replaces it)."""
+        with self._lock:
+            return self._free.pop(0) if self._free else bytearray()
+
+    def give(self, buf: HostBuffer) -> None:
+        """Return ``buf``: its owner no longer reads or writes it."""
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=len, reverse=True)
+            del self._free[self._keep :]

@@ -15,6 +15,7 @@ only when a prompt is about to leave it, and an L3 record captures only the toke
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import mmap
@@ -33,7 +34,7 @@ from ..cache import LookupResult, PrefixCache
 from ..config import Settings, load_settings
 from ..errors import StateFormatError, TierError
 from ..events import CacheEvent
-from ..hostmem import HostBuffer, fit
+from ..hostmem import BufferPool, HostBuffer, fit
 from ..identity import CacheIdentity, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
@@ -145,7 +146,7 @@ class SkippyLlama(llama_cpp.Llama):
         # captures (never both at once: a capture's pages are copied out before it returns); a
         # fresh one each time spends longer in page faults than the state call takes (measured:
         # 0.48 s for 720 MB on the H200 host)
-        self._state_buf: HostBuffer = bytearray()
+        self._buffers = BufferPool()  # restore blobs and captures (a capture goes to L3)
         settings = self.cache_settings
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
         # sequence 1 doubles as the scratch sequence of range captures for L3 records
@@ -514,16 +515,18 @@ class SkippyLlama(llama_cpp.Llama):
         if base + sum(p.n_tokens for p in pages) != found.n_tokens:
             raise StateFormatError("restored pages do not cover the planned prefix")
         size = assembled_size(pages, self.kv_layout, start=base)
-        self._state_buf = fit(self._state_buf, size)
-        assemble_into(self._state_buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
-        if base:
-            self._place_base(found)
-            blob = memoryview(self._state_buf)[:size]
-            if not native_ext.append_import(self.ctx, blob, WORKING_SEQ):
-                raise TierError("skippy_state_seq_append_data refused the pages")
-            event.l1_tokens, event.appended_tokens = base, found.n_tokens - base
-        elif not native.set_seq_state(self.ctx, self._state_buf, WORKING_SEQ, size):
-            raise TierError("llama_state_seq_set_data refused the blob")
+        buf = fit(self._buffers.take(), size)
+        try:
+            assemble_into(buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
+            if base:
+                self._place_base(found)
+                if not native_ext.append_import(self.ctx, memoryview(buf)[:size], WORKING_SEQ):
+                    raise TierError("skippy_state_seq_append_data refused the pages")
+                event.l1_tokens, event.appended_tokens = base, found.n_tokens - base
+            elif not native.set_seq_state(self.ctx, buf, WORKING_SEQ, size):
+                raise TierError("llama_state_seq_set_data refused the blob")
+        finally:
+            self._buffers.give(buf)
         self._adopt(tokens, found.n_tokens)
         event.restored_bytes = size
         if self.prefix_cache.admission is not None:
@@ -660,30 +663,38 @@ class SkippyLlama(llama_cpp.Llama):
             return
         start = plan.new[0][2] if plan.new else point
         blob = self._capture(start, point)
-        state = parse_state(blob, first=start)
-        if state.layout.digest() != self.kv_layout.digest():
-            raise StateFormatError("captured state does not match the probed KV layout")
-        cache.record(plan, state, tokens)
+        # the L3 writer cuts the pages out of the capture later, then gives its buffer back
+        release = functools.partial(self._buffers.give, cast(HostBuffer, blob.obj))
+        try:
+            state = parse_state(blob, first=start)
+            if state.layout.digest() != self.kv_layout.digest():
+                raise StateFormatError("captured state does not match the probed KV layout")
+        except BaseException:
+            release()
+            raise
+        cache.record(plan, state, tokens, release)
 
     def _capture(self, start: int, end: int) -> memoryview:
         """The working sequence's cells at positions ``[start, end)``, in the stock format, in
-        the shared state buffer (valid until the next capture or restore).
+        a buffer taken from the pool (``view.obj``; the caller gives it back).
 
         The patched range export where the roster certifies it, else the stock path (cells
         shared with a scratch sequence and serialized from there); both cost O(end - start).
         """
+        buf = self._buffers.take()
         view: memoryview | None = None
         if self.native_verdict.range_export:
             try:
-                view = native_ext.range_export(self.ctx, WORKING_SEQ, start, end, self._state_buf)
+                view = native_ext.range_export(self.ctx, WORKING_SEQ, start, end, buf)
             except TierError as exc:
                 log.warning("skippy-llama: range export failed (%s); using the stock path", exc)
         if view is None:
-            view = native.capture_range(
-                self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end, self._state_buf
-            )
+            try:
+                view = native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end, buf)
+            except BaseException:
+                self._buffers.give(buf)
+                raise
         assert isinstance(view.obj, bytearray | mmap.mmap)
-        self._state_buf = view.obj
         return view
 
     def close(self) -> None:

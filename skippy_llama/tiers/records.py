@@ -7,7 +7,9 @@ on one vocabulary without importing each other. ``to_json()`` gives the JSON-rea
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import dataclasses
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 #: Length of a page key, a parent key and a payload digest (xxh3_128).
@@ -17,6 +19,34 @@ DiskState = Literal["off", "active", "read_only_low_space", "degraded"]
 DegradedReason = Literal[
     "storage_unavailable", "storage_untrusted", "budget_below_entry_floor", "storage_error"
 ]
+
+
+class PendingPayload:
+    """A new page's serialized bytes, still to be made (cut out of a captured state) by the L3
+    writer, off the request path.
+
+    ``len()`` is the size the bytes will have, so queue bounds and traces need not make them.
+    """
+
+    __slots__ = ("_make", "_size")
+
+    def __init__(self, size: int, make: Callable[[], bytes]) -> None:
+        self._size = size
+        self._make = make
+
+    def __len__(self) -> int:
+        return self._size
+
+    def make(self) -> bytes:
+        """The bytes.
+
+        Raises:
+            ValueError: they are not the announced size (a bug in the cutting, never stored).
+        """
+        data = self._make()
+        if len(data) != self._size:
+            raise ValueError(f"a pending page made {len(data)} bytes, announced {self._size}")
+        return data
 
 
 @dataclass(frozen=True)
@@ -33,7 +63,8 @@ class PageBlob:
             branch point inside it, or the cache-identity root for position 0.
         n_tokens: tokens the page holds.
         tokens: the page's tokens as little-endian int32 (the child index stores them).
-        payload: the serialized page, or None for a page already stored that the record reuses.
+        payload: the serialized page (or a :class:`PendingPayload` the writer makes), or None
+            for a page already stored that the record reuses.
         used: tokens of this page the record's prefix covers (``n_tokens`` but at a branch point).
     """
 
@@ -41,7 +72,7 @@ class PageBlob:
     parent: bytes
     n_tokens: int
     tokens: bytes
-    payload: bytes | None
+    payload: bytes | PendingPayload | None
     used: int
 
     def __post_init__(self) -> None:
@@ -53,6 +84,13 @@ class PageBlob:
             raise ValueError(f"page uses {self.used} of its {self.n_tokens} tokens")
         if self.payload is not None and len(self.tokens) != 4 * self.n_tokens:
             raise ValueError("a new page needs its tokens (4 bytes each)")
+
+    @property
+    def data(self) -> bytes:
+        """A new page's bytes, once made (see :meth:`PrefixRecord.resolved`)."""
+        if not isinstance(self.payload, bytes):
+            raise ValueError("the page has no bytes yet: reused, or pending")
+        return self.payload
 
 
 @dataclass(frozen=True)
@@ -67,6 +105,8 @@ class PrefixRecord:
         model_name: human-readable model name for status output.
         n_tokens: tokens covered by all pages together.
         pages: the pages, page 0 first.
+        release: called once the bytes pending payloads are cut from are no longer read (by
+            :meth:`resolved`, or by whoever drops the record unresolved).
     """
 
     cache_identity: str
@@ -74,6 +114,7 @@ class PrefixRecord:
     model_name: str
     n_tokens: int
     pages: tuple[PageBlob, ...]
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.pages:
@@ -96,6 +137,27 @@ class PrefixRecord:
     def payload_bytes(self) -> int:
         """Bytes of the pages this record adds (reused pages are already stored)."""
         return sum(len(page.payload) for page in self.pages if page.payload is not None)
+
+    def resolved(self) -> PrefixRecord:
+        """This record with every pending payload made; :attr:`release` is called either way."""
+        try:
+            pages = tuple(
+                dataclasses.replace(page, payload=page.payload.make())
+                if isinstance(page.payload, PendingPayload)
+                else page
+                for page in self.pages
+            )
+        finally:
+            self.drop()
+        return dataclasses.replace(self, pages=pages, release=None)
+
+    def drop(self) -> None:
+        """Give up the bytes pending payloads are cut from (a record never written). Only the
+        first call releases them."""
+        release = self.release
+        if release is not None:
+            object.__setattr__(self, "release", None)
+            release()
 
 
 class _Json:

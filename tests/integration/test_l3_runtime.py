@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -277,6 +278,36 @@ def test_uncompressed_pages_restore_from_the_reused_read_buffer(
     # stored as they are: the bytes read are the bytes restored (plus page headers)
     restored = sum(e["restored_bytes"] for e in again["events"] if e["tier"] == "l3")
     assert mine["bytes_read"] >= restored * 0.95
+
+
+def test_records_cut_after_later_requests_captured_restore_exact_outputs(
+    smollm2_path: Path, tmp_path: Path, reference: list[str]
+) -> None:
+    # the writer cuts a record's pages out of the runtime's capture after the request returns:
+    # held back while the next prompts capture theirs, it must still find the first capture
+    directory = tmp_path / "l3"
+    settings = l3_settings(directory, l1={"enabled": False})
+    llm = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
+    disk = llm.prefix_cache.disk
+    assert disk is not None
+    gate = threading.Event()
+    real_write = disk._writer._write
+    disk._writer._write = lambda rec: (gate.wait(120), real_write(rec))  # type: ignore[method-assign]
+    try:
+        outputs = [complete(llm, prompt) for prompt in [*PROMPTS, UNRELATED]]
+        assert llm.prefix_cache.counters.records >= 3  # all queued before any was cut
+        gate.set()
+        assert disk.flush(120)
+        assert disk.status().process_activity.writes > 0
+    finally:
+        gate.set()
+        llm.close()
+    assert outputs == reference
+
+    again = run_worker(smollm2_path, l3_env(directory), PROMPTS)
+    assert again["outputs"] == reference[:3]
+    assert again["events"][0]["tier"] == "l3"
+    assert again["status"]["process_activity"]["corrupt_entries"] == 0
 
 
 # ---------------------------------------------------------------------- 2. no L3 reads for L1

@@ -7,7 +7,7 @@ import mmap
 
 import numpy as np
 
-from skippy_llama.hostmem import MAPPED_BYTES, fit, host_buffer
+from skippy_llama.hostmem import MAPPED_BYTES, BufferPool, fit, host_buffer
 
 
 def test_small_buffers_are_bytearrays_and_large_ones_zeroed_writable_mappings() -> None:
@@ -28,3 +28,13 @@ def test_fit_keeps_a_large_enough_buffer_and_replaces_a_small_one() -> None:
     bigger = fit(buf, MAPPED_BYTES * 2)
     assert bigger is not buf and len(bigger) == MAPPED_BYTES * 2
     assert len(fit(None, 10)) == 10
+
+
+def test_a_pool_hands_out_what_was_given_back_keeping_the_largest() -> None:
+    pool = BufferPool(keep=1)
+    assert pool.take() == bytearray()  # nothing given back yet: fit() will size one
+    small, large = bytearray(10), bytearray(1000)
+    pool.give(small)
+    pool.give(large)
+    assert pool.take() is large  # only the largest is kept
+    assert pool.take() == bytearray()

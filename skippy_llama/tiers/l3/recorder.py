@@ -117,8 +117,9 @@ class Recorder:
             return
         if not self._admit_record(rec, size):
             return
+        rec = rec.resolved()  # pages still to be cut from the runtime's capture are cut now
         stored = {
-            page.key: encode(page.payload, parts.settings.compression)
+            page.key: encode(page.data, parts.settings.compression)
             for page in rec.pages
             if page.payload is not None
         }

@@ -296,14 +296,16 @@ class DiskTier:
 
     def record(self, rec: PrefixRecord) -> bool:
         """Queue ``rec`` for the background writer; never waits on disk. False (counted) when
-        the tier cannot write now or the queue is full."""
+        the tier cannot write now or the queue is full (the record is then dropped)."""
         parts = self._parts
         if not parts.rw_ok or self._closed:
+            rec.drop()
             parts.counters.add("dropped_writes")
             return False
         if parts.health.state == "read_only_low_space":
             parts.health.refresh()  # the space may have come back (rate-limited statvfs)
         if not parts.health.writable:
+            rec.drop()
             parts.counters.add("dropped_writes")
             if parts.health.state == "read_only_low_space":
                 parts.counters.add("dropped_low_space")

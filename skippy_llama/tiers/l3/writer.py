@@ -1,7 +1,9 @@
 """The background writer: a bounded queue of records and the one thread that writes them.
 
 Records are queued without touching the disk (the request path never waits on it) and dropped,
-counted, when the queue or the bytes it holds are full. While a record waits, its new pages are
+counted, when the queue or the bytes it holds are full. A record's new pages may still be views
+of the runtime's capture (:class:`~..records.PendingPayload`): the writer cuts them, then
+releases the capture buffer back to the runtime. While a record waits, its new pages are
 visible to planning (:meth:`Writer.queued` / :meth:`Writer.queued_children`), so a record planned
 right after another reuses its pages instead of writing the shared tokens again.
 
@@ -90,6 +92,7 @@ class Writer:
                 except queue.Full:
                     full = True
             if full:
+                rec.drop()
                 self.parts.counters.add("dropped_writes")
                 self.parts.counters.add("dropped_queue_full")
                 return False
@@ -152,6 +155,7 @@ class Writer:
                 self.parts.health.fault(exc, "record")
                 self.parts.counters.add("dropped_writes")
             finally:
+                rec.drop()  # the capture's buffer, where the write did not get to cut it
                 self._unqueue(rec)
                 self._queue.task_done()
             busy = self._housekeeping()
