@@ -7,7 +7,6 @@ on one vocabulary without importing each other. ``to_json()`` gives the JSON-rea
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
@@ -87,9 +86,15 @@ class PageBlob:
 
     @property
     def data(self) -> bytes:
-        """A new page's bytes, once made (see :meth:`PrefixRecord.resolved`)."""
-        if not isinstance(self.payload, bytes):
-            raise ValueError("the page has no bytes yet: reused, or pending")
+        """A new page's bytes, made now where they are pending.
+
+        Raises:
+            ValueError: a reused page (it has none), or pending bytes of the wrong size.
+        """
+        if isinstance(self.payload, PendingPayload):
+            return self.payload.make()
+        if self.payload is None:
+            raise ValueError("a reused page has no bytes in the record")
         return self.payload
 
 
@@ -105,8 +110,8 @@ class PrefixRecord:
         model_name: human-readable model name for status output.
         n_tokens: tokens covered by all pages together.
         pages: the pages, page 0 first.
-        release: called once the bytes pending payloads are cut from are no longer read (by
-            :meth:`resolved`, or by whoever drops the record unresolved).
+        release: called (by :meth:`drop`) once the bytes pending payloads are cut from are no
+            longer read: after the writer made them, or when the record is not written.
     """
 
     cache_identity: str
@@ -138,22 +143,8 @@ class PrefixRecord:
         """Bytes of the pages this record adds (reused pages are already stored)."""
         return sum(len(page.payload) for page in self.pages if page.payload is not None)
 
-    def resolved(self) -> PrefixRecord:
-        """This record with every pending payload made; :attr:`release` is called either way."""
-        try:
-            pages = tuple(
-                dataclasses.replace(page, payload=page.payload.make())
-                if isinstance(page.payload, PendingPayload)
-                else page
-                for page in self.pages
-            )
-        finally:
-            self.drop()
-        return dataclasses.replace(self, pages=pages, release=None)
-
     def drop(self) -> None:
-        """Give up the bytes pending payloads are cut from (a record never written). Only the
-        first call releases them."""
+        """Release the bytes pending payloads are cut from; only the first call does."""
         release = self.release
         if release is not None:
             object.__setattr__(self, "release", None)

@@ -117,12 +117,16 @@ class Recorder:
             return
         if not self._admit_record(rec, size):
             return
-        rec = rec.resolved()  # pages still to be cut from the runtime's capture are cut now
-        stored = {
-            page.key: encode(page.data, parts.settings.compression)
-            for page in rec.pages
-            if page.payload is not None
-        }
+        try:
+            # a page pending in the runtime's capture is cut here, just before it is compressed,
+            # so its uncompressed bytes are freed (and their memory reused) page by page
+            stored = {
+                page.key: encode(page.data, parts.settings.compression)
+                for page in rec.pages
+                if page.payload is not None
+            }
+        finally:
+            rec.drop()  # the capture is no longer read
         admitted = self._admit_pages(rec, stored)
         if admitted is None:
             counters.add("rejected")

@@ -155,7 +155,7 @@ class Writer:
                 self.parts.health.fault(exc, "record")
                 self.parts.counters.add("dropped_writes")
             finally:
-                rec.drop()  # the capture's buffer, where the write did not get to cut it
+                rec.drop()  # the capture's buffer, where the write stopped before cutting
                 self._unqueue(rec)
                 self._queue.task_done()
             busy = self._housekeeping()
