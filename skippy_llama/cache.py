@@ -103,6 +103,8 @@ class CacheCounters:
     park_skipped: int = 0
     records: int = 0
     records_skipped: int = 0
+    #: L3 records left for later (``SkippyLlama.defer_record_tokens``), counted at each turn
+    records_deferred: int = 0
     #: L2/L3 hits served cold because the measured costs said the restore would be slower
     restores_skipped: int = 0
     #: replies re-decoded between requests (``SkippyLlama.prepare_next_turn``) and their tokens

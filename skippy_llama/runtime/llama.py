@@ -66,6 +66,9 @@ WORKING_SEQ = 0
 DECODED_SUFFIX = 2
 #: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
 SCRATCH_SEQ = 1
+#: On GPU builds the L3 record of a sequence that grew from its last record waits until this
+#: many tokens are unrecorded (see ``SkippyLlama.defer_record_tokens``).
+DEFER_RECORD_TOKENS = 2048
 #: K/V types whose device checkpoints llama.cpp copies whole: F32, F16 and BF16 (ggml type 30,
 #: which llama-cpp-python does not name)
 _DEVICE_CHECKPOINT_TYPES = frozenset((llama_cpp.GGML_TYPE_F32, llama_cpp.GGML_TYPE_F16, 30))
@@ -142,11 +145,13 @@ class SkippyLlama(llama_cpp.Llama):
         self._epoch = 0  # request counter: a stream finalized late must not touch a newer one
         self._head: list[int] | None = None  # the chat template's head, once looked up
         self._last_sampled: int | None = None  # the last request's last token (not evaluated)
-        # one host buffer, grown to the largest use, for the blobs of L2/L3 restores and L3
-        # captures (never both at once: a capture's pages are copied out before it returns); a
-        # fresh one each time spends longer in page faults than the state call takes (measured:
-        # 0.48 s for 720 MB on the H200 host)
-        self._buffers = BufferPool()  # restore blobs and captures (a capture goes to L3)
+        # host buffers for the blobs of L2/L3 restores and L3 captures, reused: a fresh one
+        # each time spends longer in page faults than the state call takes (measured: 0.48 s
+        # for 720 MB on the H200 host); a capture stays with the L3 writer until it is cut
+        self._buffers = BufferPool()
+        # the tokens of the last L3 record made, and the point of a record left for later
+        self._recorded: np.ndarray[Any, np.dtype[np.int32]] | None = None
+        self._deferred = 0
         settings = self.cache_settings
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
         # sequence 1 doubles as the scratch sequence of range captures for L3 records
@@ -163,6 +168,15 @@ class SkippyLlama(llama_cpp.Llama):
             arch = str(self.metadata.get("general.architecture", "unknown"))
             self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
         self.granule = self._canonical_granule()
+        #: A record of the working sequence waits while the sequence only grew from the last
+        #: record made and fewer than this many tokens are unrecorded (0: never waits). On a GPU
+        #: build a capture pays one synchronized device copy per layer and K/V however few
+        #: tokens it takes (~1 ms each on an H200), so a linear chat's turns are captured a few
+        #: at a time; the record is made before the sequence is left or cleared, in
+        #: ``prepare_next_turn`` and in ``close``, so an orderly exit loses nothing, and a crash
+        #: at most this many tokens of L3 (not of any answer). On the CPU a capture is a memcpy:
+        #: nothing to save.
+        self.defer_record_tokens = 0 if native.backend_name() == "CPU" else DEFER_RECORD_TOKENS
         # llama.cpp's device checkpoints view a quantized K/V range as size / type_size
         # *elements* (blocks, not elements: 1/32 of a Q8_0 range is copied), so a restore brings
         # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
@@ -609,6 +623,7 @@ class SkippyLlama(llama_cpp.Llama):
         prompt = np.asarray(tokens, dtype=np.int32)
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
+        self._record_unless_continued(prompt)
         self._restore(prompt, event)
         self._in_generate = True
 
@@ -657,7 +672,44 @@ class SkippyLlama(llama_cpp.Llama):
             admission.costs.observe_prefill(event.suffix_tokens, event.prefill_ms / 1e3)
         # as far as a repeat of this prompt can reuse: not its last DECODED_SUFFIX tokens
         point = min(self._exact_tokens(), self._aligned(event.prompt_tokens - DECODED_SUFFIX))
+        if self._record_may_wait(point):
+            self._deferred = point
+            cache.counters.records_deferred += 1
+            return
+        self._record_prefix(point)
+
+    def _record_may_wait(self, point: int) -> bool:
+        """Whether the record up to ``point`` may wait (see ``defer_record_tokens``)."""
+        base = self._recorded
+        return (
+            base is not None
+            and 0 < len(base) <= point < len(base) + self.defer_record_tokens
+            and np.array_equal(self.input_ids[: len(base)], base)
+        )
+
+    def _record_unless_continued(self, tokens: np.ndarray[Any, np.dtype[np.int32]]) -> None:
+        """Make a waiting record now, unless ``tokens`` (the next prompt) continue it."""
+        point = self._deferred
+        if point and not (
+            len(tokens) >= point and np.array_equal(tokens[:point], self.input_ids[:point])
+        ):
+            self._record_deferred()
+
+    def _record_deferred(self) -> None:
+        """Make a waiting record now, before the working sequence changes (or while idle)."""
+        point = self._deferred
+        if point:
+            self._guard("record", None, lambda: self._record_prefix(point))
+
+    def _record_prefix(self, point: int) -> None:
+        """Queue the working sequence's first ``point`` tokens, as far as they are exact."""
+        cache = self.prefix_cache
+        assert self.kv_layout is not None
+        self._deferred = 0
+        # a waiting record may find cells cleared behind the cache's back since
+        point = min(point, self._live_exact())
         tokens = self.input_ids[: max(point, 0)].astype(np.int32)
+        self._recorded = tokens
         plan = cache.plan_record(tokens, point)
         if plan is None:
             return
@@ -701,6 +753,7 @@ class SkippyLlama(llama_cpp.Llama):
         """Free the model and context; pending L3 writes are flushed first (bounded wait)."""
         cache = getattr(self, "prefix_cache", None)
         if cache is not None and cache.disk is not None:
+            self._record_deferred()
             cache.disk.close()
         super().close()
 
@@ -748,6 +801,7 @@ class SkippyLlama(llama_cpp.Llama):
         """
         if not self.caching or self._in_generate:
             return 0
+        self._record_deferred()  # idle time: the capture costs no request anything
         exact = self._live_exact()
         # one token alone cannot be decoded as a batch: the next prefill takes it along
         if (
@@ -798,6 +852,7 @@ class SkippyLlama(llama_cpp.Llama):
         )
         event = CacheEvent(prompt_tokens=len(whole))
         started = time.perf_counter()
+        self._record_unless_continued(whole)
         self._restore(whole, event)
         self._decode(whole[self.n_tokens :].tolist())
         elapsed_ms = (time.perf_counter() - started) * 1e3
@@ -860,6 +915,7 @@ class SkippyLlama(llama_cpp.Llama):
         """Checkpoint the live sequence before a whole-context call replaces or forgets it."""
         if getattr(self, "prefix_cache", None) is None or not self.caching:
             return  # called while Llama.__init__ runs, or without a cache
+        self._record_deferred()
         if self._live_exact() > 0:
             event = CacheEvent()
             self._guard("park", event, lambda: self._displace(self._live_exact(), event))
