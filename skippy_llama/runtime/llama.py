@@ -793,7 +793,8 @@ class SkippyLlama(llama_cpp.Llama):
         take turns), the prepared chat is also checkpointed as a resident prefix now
         (``parked_ahead``), so a request from another chat restores its own prefix without
         first checkpointing this one. A single linear chat never displaces its live sequence
-        and pays no checkpoint here.
+        and pays no checkpoint here. An L3 record left waiting (``defer_record_tokens``) is
+        made here too.
 
         Returns:
             the tokens decoded: 0 when there is nothing to do (no reply in the live
