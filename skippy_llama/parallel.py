@@ -1,10 +1,12 @@
 """One shared thread pool for bulk byte work on the request path.
 
-Assembling a restore blob, reading and verifying L3 pages and cutting a record into pages each
-move the whole prefix's bytes (720 MB for 32k tokens of a 1B model; on a GPU build they sit on
-the request path next to a prefill of a few hundred ms). numpy copies, file reads, xxhash and
+Assembling a restore blob and reading and verifying L3 pages each move the whole prefix's bytes
+(720 MB for 32k tokens of a 1B model; on a GPU build they sit on the request path next to a
+prefill of a few hundred ms). numpy copies, file reads, xxhash and
 zstd release the GIL, and one thread reaches only a fraction of memory bandwidth, so the work is
-spread over a small pool. Tasks never submit tasks, so the pool cannot deadlock on itself.
+spread over a small pool. (A record's pages are cut by the L3 writer, off the request path and
+off this pool, so background work never queues ahead of a restore.) Tasks never submit tasks, so
+the pool cannot deadlock on itself.
 """
 
 from __future__ import annotations
