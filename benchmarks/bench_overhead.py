@@ -5,7 +5,9 @@ Every workload runs for four modes in one pytest session, each on a fresh model 
 ``plain_exact`` (the same, but reusing only the previous prompt's cells, not its reply's: what
 exactness costs without any cache, see ``PromptReuseLlama``), ``skippy``
 (``SkippyLlama`` with default settings: L1 on, L2 and L3 off) and ``skippy_l3`` (``SkippyLlama``
-with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
+with L3 ``fixed`` 1GiB in a fresh temporary directory); ``SKIPPY_BENCH_MODES`` picks others, such
+as ``skippy_l3_eager`` and ``skippy_l3_defer`` (L3 records made at once, or left waiting as on GPU
+builds). Workloads:
 
 * ``chat``: one linear chat (``create_chat_completion``), each turn a ~150-token user message
   and a greedy reply of at most 48 tokens (SmolLM2 stops after 12), growing past 3,000 tokens
@@ -23,7 +25,7 @@ with L3 ``fixed`` 1GiB in a fresh temporary directory). Workloads:
 Rounds are interleaved: on a shared 2-core machine the speed drifts by 7-10 % over minutes, so
 running all rounds of one mode before the next let drift decide a ratio (the same chat measured
 1.14x and 1.01x plain within an hour). Each test is one round of one mode (``CASES``, parametrized
-as (workload, round, mode)): per workload, round ``r`` runs the three modes back to back in an
+as (workload, round, mode)): per workload, round ``r`` runs the modes back to back in an
 order rotated by ``r`` (``round_order``: plain/skippy/skippy_l3, then skippy/skippy_l3/plain, ...,
 so no mode always runs first or last) before round ``r + 1`` starts. A round is every request of
 the workload on a fresh model (and a fresh L3 directory, so a round never reuses an earlier
@@ -77,9 +79,20 @@ import pytest
 
 from skippy_llama.config import Settings
 from skippy_llama.models import default_model_path
-from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.runtime.llama import DEFER_RECORD_TOKENS, SkippyLlama
 
-MODES = ("plain", "plain_exact", "skippy", "skippy_l3")
+#: ``skippy_l3`` with its L3 records made at once (``eager``) or left waiting (``defer``) whatever
+#: the backend's default (``SkippyLlama.defer_record_tokens``)
+DEFER_MODES = {"skippy_l3_eager": 0, "skippy_l3_defer": DEFER_RECORD_TOKENS}
+ALL_MODES = ("plain", "plain_exact", "skippy", "skippy_l3", *DEFER_MODES)
+#: modes to run (``SKIPPY_BENCH_MODES``, comma-separated; ``plain`` always runs: every ratio is
+#: to it)
+MODES = tuple(
+    m
+    for m in ALL_MODES
+    if m == "plain"
+    or m in os.environ.get("SKIPPY_BENCH_MODES", "plain_exact,skippy,skippy_l3").split(",")
+)
 WORKLOADS = ("chat", "chat_stream", "chat_idle", "oneshot", "continue", "continue_idle")
 
 #: Profile groups: a function belongs to a group when it lives in skippy_llama and its name
@@ -386,7 +399,10 @@ def make_model(mode: str, l3_dir: Path) -> llama_cpp.Llama:
     if mode == "skippy":
         return SkippyLlama(path, cache_settings=Settings(), **common)
     l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(l3_dir), "minimum_free": "1GiB"}
-    return SkippyLlama(path, cache_settings=Settings(l3=l3), **common)
+    llm = SkippyLlama(path, cache_settings=Settings(l3=l3), **common)
+    if mode in DEFER_MODES:
+        llm.defer_record_tokens = DEFER_MODES[mode]
+    return llm
 
 
 def profile_groups(stats: pstats.Stats) -> dict[str, float]:
