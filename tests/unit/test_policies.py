@@ -12,7 +12,7 @@ from skippy_llama.tiers.l3.policies import (
     make_policy,
     worth_storing,
 )
-from skippy_llama.tiers.l3.policy_api import LruPolicy, PageStats
+from skippy_llama.tiers.l3.policy_api import LruPolicy, PageStats, chain_lengths
 
 MiB = 1 << 20
 
@@ -67,10 +67,51 @@ def test_reuse_first_sighting_goes_before_reused_pages() -> None:
     assert policy.priority(one_off, 6.0) < policy.priority(hot, 6.0)
 
 
-def test_reuse_first_sightings_tie_so_the_deepest_goes_first() -> None:
+def test_reuse_first_sightings_of_equal_prompts_tie_so_the_deepest_goes_first() -> None:
     policy = ReusePolicy(64 * MiB)
     older, newer = used(policy, "a", hits=0, at=1.0), used(policy, "b", hits=0, at=9.0)
     assert policy.priority(older, 10.0) == policy.priority(newer, 10.0)
+
+
+def test_reuse_first_sightings_of_longer_prompts_go_first_even_once_cut() -> None:
+    """A first sighting written by a 13-page record goes before one of a 5-page record, also
+    after an earlier pass cut the long chain back to two pages (the policy remembers)."""
+    policy = ReusePolicy(64 * MiB)
+    assert policy.admit(page("long", chain_pages=13), 1.0)
+    assert policy.admit(page("doc", chain_pages=5), 2.0)
+    cut_back = page("long", chain_pages=2)  # what the store's chain walk now finds
+    doc = page("doc", chain_pages=5)
+    assert policy.priority(cut_back, 3.0) < policy.priority(doc, 3.0)
+    # a page another process wrote: only its stored chain is known
+    assert policy.priority(page("theirs", chain_pages=7), 3.0) < policy.priority(doc, 3.0)
+    # reused pages stay above every first sighting, however long their prompt
+    hot = used(policy, "hot", hits=3, at=0.0, chain_pages=40)
+    assert policy.priority(hot, 3.0) > policy.priority(doc, 3.0)
+    policy.evicted(cut_back, 4.0)  # forgotten with the page
+    assert policy.priority(page("long"), 5.0) == policy.priority(page("x"), 5.0)
+
+
+def test_chain_lengths_walk_to_the_deepest_stored_page_and_survive_damaged_links() -> None:
+    links = {
+        "a": (None, 0),
+        "b": ("a", 1),
+        "c": ("b", 2),
+        "d": ("a", 1),
+        "orphan": ("gone", 3),  # its parent was evicted
+        "x": ("y", 0),  # a cycle, with depths that contradict it
+        "y": ("x", 0),
+        "self": ("self", 2),
+    }
+    assert chain_lengths(links) == {
+        "a": 3,
+        "b": 3,
+        "c": 3,
+        "d": 2,
+        "orphan": 4,
+        "x": 1,
+        "y": 1,
+        "self": 3,
+    }
 
 
 def test_reuse_remembers_earlier_lives() -> None:

@@ -155,6 +155,23 @@ def test_one_off_long_prompt_never_evicts_a_hot_prefix() -> None:
     assert len(hot_then_one_off("lru")) < 4  # what the new default fixes
 
 
+def test_a_one_off_long_prompt_goes_before_documents_seen_once() -> None:
+    """Two documents seen once (4 full pages each), then a 6-page one-off: the pass down to the
+    low watermark must take 6 pages. Tied first sightings would go deepest first, cutting the
+    documents' tails beside the one-off's head; ``reuse`` takes the one-off's pages first."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 1000, 520, dtype=np.int32) for _ in range(2)]
+    one_off = rng.integers(0, 1000, 780, dtype=np.int32)
+    events = synthetic.events([*docs, one_off], page_tokens=128, bytes_per_token=1000)
+    doc_keys = {key for event in events[:4] for key in event.keys[:4]}
+    page = 128_000
+    sim = Simulator(13 * page, ReusePolicy(13 * page), low_watermark=0.62)
+    for event in events:
+        sim.step(event)
+    assert doc_keys <= set(sim.pages)
+    assert not set(events[-1].keys) & set(sim.pages)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_targets_on_synthetic_workloads(seed: int) -> None:
     """The issue's targets, where the synthetic traces can show them (figures: benchmarks)."""

@@ -2,8 +2,8 @@
 after it, until the store is small enough.
 
 The store describes every page to the policy with a :class:`~.policy_api.PageStats` built from
-its metadata (size, tokens, created, last used, hits, sharers = the manifests through it, and the
-measured prefill and restore costs), so any policy (``policies.py``) plugs in unchanged and the
+its metadata (size, tokens, created, last used, hits, sharers = the manifests through it, the
+longest stored chain through it, and the measured prefill and restore costs), so any policy (``policies.py``) plugs in unchanged and the
 replay simulator (``simulate.py``) evicts the same way: lowest priority first, ties deepest first;
 evicting a page cuts every prefix through it back to the pages before it (the pages after it
 could never be reached again).
@@ -23,7 +23,7 @@ from ...admission import CostModel
 from ...errors import StoreDataError
 from .context import Parts
 from .pins import Pins
-from .policy_api import PageStats, Policy
+from .policy_api import PageStats, Policy, chain_lengths
 from .schema import MAN, META, Manifest, PageMeta
 from .tree import Tree
 
@@ -36,8 +36,11 @@ class Candidate:
     depth: int
 
 
-def page_stats(key: bytes, meta: PageMeta, costs: CostModel | None = None) -> PageStats:
-    """What a policy may know about a stored page (costs are 0.0 while unmeasured)."""
+def page_stats(
+    key: bytes, meta: PageMeta, costs: CostModel | None = None, chain_pages: int = 1
+) -> PageStats:
+    """What a policy may know about a stored page (costs are 0.0 while unmeasured;
+    ``chain_pages`` from :func:`~.policy_api.chain_lengths` over the store's metadata)."""
     prefill = costs.cold_cost(meta.n_tokens) if costs is not None else None
     restore = costs.restore_cost(meta.size) if costs is not None else None
     return PageStats(
@@ -48,6 +51,7 @@ def page_stats(key: bytes, meta: PageMeta, costs: CostModel | None = None) -> Pa
         last_used=meta.last_used,
         hits=meta.hits,
         sharers=max(len(meta.owners), 1),
+        chain_pages=chain_pages,
         prefill_s=prefill or 0.0,
         restore_s=restore or 0.0,
     )
@@ -139,8 +143,9 @@ class Evictor:
         pinned = self.pins.live()
         protected = protected_keys(pinned, self._owners_of(pinned, metas))
         now = time.time()
+        chains = chain_lengths({key: (meta.parent, meta.depth) for key, meta in metas.items()})
         candidates = [
-            Candidate(page_stats(key, meta, self.costs), meta.depth)
+            Candidate(page_stats(key, meta, self.costs, chains[key]), meta.depth)
             for key, meta in metas.items()
             if key not in protected and (scope is None or key in scope)
         ]

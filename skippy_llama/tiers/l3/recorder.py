@@ -79,6 +79,7 @@ class Recorder:
                 n_tokens=page.n_tokens,
                 created=now,
                 last_used=now,
+                chain_pages=len(rec.pages),
                 prefill_s=(costs.cold_cost(page.n_tokens) or 0.0) if costs else 0.0,
                 restore_s=(costs.restore_cost(size) or 0.0) if costs else 0.0,
             )

@@ -28,7 +28,7 @@ from typing import Any
 
 from ...sizes import format_size, human_size
 from .policies import LIVE_POLICIES, make_policy
-from .policy_api import LOW_WATERMARK, PageStats, Policy
+from .policy_api import LOW_WATERMARK, PageStats, Policy, chain_lengths
 from .trace import LookupEvent, RecordEvent, TraceEvent
 
 #: Rates used when a trace carries none (SmolLM2-135M on 2 CPU cores, DESIGN.md §3): a cold
@@ -174,7 +174,7 @@ class Simulator:
         self._written = self._pages_written = self._evicted = self._refused = 0
         self._live_hits = 0
 
-    def _stats(self, page: _Page) -> PageStats:
+    def _stats(self, page: _Page, chain_pages: int = 1) -> PageStats:
         return PageStats(
             key=page.key.encode(),
             size=page.size,
@@ -183,6 +183,7 @@ class Simulator:
             last_used=page.last_used,
             hits=page.hits,
             sharers=max(page.ends, 1),
+            chain_pages=chain_pages,
             prefill_s=page.n_tokens * self.prefill_rate,
             restore_s=page.size * self.restore_rate,
         )
@@ -229,7 +230,7 @@ class Simulator:
             page = self.pages.get(key)
             if page is None:
                 page = _Page(key, size, n_tokens, depth, parent, self.now, self.now)
-                if not self.policy.admit(self._stats(page), self.now):
+                if not self.policy.admit(self._stats(page, len(event.keys)), self.now):
                     self._refused += 1
                     break
                 self.pages[key] = page
@@ -254,9 +255,14 @@ class Simulator:
             key = page.parent
 
     def _evict_to(self, target: int) -> None:
+        chains = chain_lengths({p.key: (p.parent, p.depth) for p in self.pages.values()})
         order = sorted(
             self.pages.values(),
-            key=lambda p: (self.policy.priority(self._stats(p), self.now), -p.depth, p.key),
+            key=lambda p: (
+                self.policy.priority(self._stats(p, chains[p.key]), self.now),
+                -p.depth,
+                p.key,
+            ),
         )
         for page in order:
             if self.used <= target:
