@@ -16,7 +16,6 @@ only when a prompt is about to leave it, and an L3 record captures only the toke
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import mmap
 import threading
@@ -146,7 +145,10 @@ class SkippyLlama(llama_cpp.Llama):
         self._chat_request = (
             False  # inside create_chat_completion: a later prompt extends the reply
         )
-        self._need_rows = False  # prompt logprobs asked for: every prompt row must be computed
+        # with logits_all: leading working-sequence tokens whose logits rows this object
+        # computed (restored cells come without rows, and llm.scores, prompt logprobs and
+        # perplexity loops read them)
+        self._scored = 0
         # leading working-sequence tokens whose cells equal a batched (cold) prefill's
         self._exact = 0
         # the last request's reply [start, n_tokens) and whether it may be repaired (chat)
@@ -431,11 +433,17 @@ class SkippyLlama(llama_cpp.Llama):
         limit = max(len(tokens) - DECODED_SUFFIX, 0)
         exact = self._live_exact()
         live = self._aligned(common_prefix(self.input_ids[:exact].astype(np.int32), tokens[:limit]))
+        if self._logits_all:
+            # every prompt token's logits row may be read (llm.scores, prompt logprobs), and
+            # cells restored from any tier came without theirs (their rows hold zeros or another
+            # prompt's): only cells this object decoded are reused, as plain Llama would, and a
+            # prompt that leaves them is not parked (nothing would restore it); L3 still records
+            live = self._scored = min(live, self._scored)
         if self._sliding_window and 0 < live <= native.seq_pos_max(self.ctx, WORKING_SEQ):
             # a sliding-window cache cut back inside its cells continued with logits off by up
             # to 0.93 on Gemma 3 (plain Llama's prefix reuse too): when in doubt, prefill cold
             live = 0
-        if live < exact:
+        if live < exact and not self._logits_all:
             # the prompt leaves the live sequence: keep it resident before it is overwritten
             parking = time.perf_counter()
             self._guard("park", event, lambda: self._displace(exact, event))
@@ -444,8 +452,9 @@ class SkippyLlama(llama_cpp.Llama):
         # included; only the exact part may be reused
         self.n_tokens = live
         self._exact = live
-        if self._need_rows:
-            return  # prompt logprobs need a computed row for every prompt token
+        if self._logits_all:  # nothing is restored: see above
+            event.tier, event.cached_tokens = ("l1" if live else "cold"), live
+            return
         found = self.prefix_cache.lookup(
             tokens, limit, live, append=self._can_append(), granule=self.granule
         )
@@ -514,6 +523,8 @@ class SkippyLlama(llama_cpp.Llama):
         before = self.n_tokens
         exact = self._exact_tokens()
         super().eval(tokens)
+        if before <= self._scored:
+            self._scored = self.n_tokens
         batched = len(tokens) >= 2 and exact == before
         self._exact = self._aligned(self.n_tokens) if batched else exact
 
@@ -876,18 +887,9 @@ class SkippyLlama(llama_cpp.Llama):
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""
-        bound = _COMPLETION_SIGNATURE.bind_partial(*args, **kwargs).arguments
-        # with logits_all, prompt logprobs read a computed row per prompt token: a restored
-        # prefix has none, so such requests are prefilled cold
-        self._need_rows = bool(self._logits_all and bound.get("logprobs") is not None)
-        try:
-            result = super().create_completion(*args, **kwargs)
-        except BaseException:
-            self._need_rows = False
-            raise
+        result = super().create_completion(*args, **kwargs)
         if isinstance(result, Iterator):
-            return self._completion_stream(result)
-        self._need_rows = False
+            return result
         event = self.last_cache_event
         usage = cast("dict[str, Any] | None", result.get("usage"))
         if isinstance(usage, dict):
@@ -895,12 +897,6 @@ class SkippyLlama(llama_cpp.Llama):
                 "cached_tokens": event.cached_tokens if event is not None else 0
             }
         return result
-
-    def _completion_stream(self, chunks: Iterator[Any]) -> Iterator[Any]:
-        try:
-            yield from chunks
-        finally:
-            self._need_rows = False
 
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_chat_completion``; a reply left for another chat is repaired first
@@ -945,6 +941,7 @@ class SkippyLlama(llama_cpp.Llama):
         """
         state = super().save_state()
         state.skippy_exact = self._exact_tokens()  # type: ignore[attr-defined]
+        state.skippy_scored = min(self._scored, self.n_tokens)  # type: ignore[attr-defined]
         return state
 
     def load_state(self, state: llama_cpp.LlamaState) -> None:
@@ -955,6 +952,7 @@ class SkippyLlama(llama_cpp.Llama):
         self._leave_live()
         super().load_state(state)
         self._exact = min(int(getattr(state, "skippy_exact", 0)), self.n_tokens)
+        self._scored = min(int(getattr(state, "skippy_scored", 0)), self.n_tokens)
         self._reply_repairable = False
 
     def clear_cache(self) -> None:
@@ -997,9 +995,3 @@ class SkippyLlama(llama_cpp.Llama):
                 "tokens_prepared": counters.tokens_prepared,
             },
         }
-
-
-#: ``create_completion``'s parameters without ``self``, to find ``logprobs`` however it is passed
-_COMPLETION_SIGNATURE = (lambda sig: sig.replace(parameters=list(sig.parameters.values())[1:]))(
-    inspect.signature(llama_cpp.Llama.create_completion)
-)

@@ -2,18 +2,20 @@
 
 The targeted tests (``test_dropin.py``, ``test_skippy_llama.py``, ...) pin one path each; this one
 mixes them the way an application does: seeded random scripts of completions (greedy, sampled,
-streamed, with logprobs), continuations of a reply, two interleaved chats, low-level ``eval``,
-``reset``, ``save_state``/``load_state``, ``kv_cache_clear`` behind the cache's back and
+streamed, with a grammar, stops, logit biases, logprobs, prompt logprobs), continuations of a
+reply, two interleaved chats (also streamed), low-level ``eval``, ``reset``,
+``save_state``/``load_state``, ``kv_cache_clear`` behind the cache's back and
 ``prepare_next_turn``, over prompts that share prefixes and branch at arbitrary tokens. The same
 script runs on ``ColdLlama`` (plain ``Llama`` prefilling every prompt from scratch) and on
-SkippyLlama, once at the defaults (L1) and once with every tier on and small budgets (a 1-prefix
-L1, L2, L3 with 32-token pages), where a second object then runs the script again on the first
-one's L3. Every text, finish reason, logprob and ``eval`` logit must be equal, and the cache must
+SkippyLlama, at the defaults (L1), with every tier on and small budgets (a 1-prefix L1, L2, L3
+with 32-token pages), where a second object then runs the script again on the first one's L3, and
+with ``logits_all`` (where prompt logprobs are read). Every text, finish reason, logprob and ``eval`` logit must be equal, and the cache must
 have served tokens, so the test cannot pass with the cache standing aside.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +41,13 @@ SOURCES = (
     "cool room, then shaped, scored with a blade and baked hot until the crust sings. ",
 )
 TAILS = (" The keeper", " Question: why? Answer:", " Then", " In short,", " Next")
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "steps": {"type": "integer"}},
+        "required": ["name", "steps"],
+    }
+)
 USER_TURNS = ("Tell me about lighthouses.", "Why two long flashes?", "And in storms?", "Thanks!")
 
 Op = Callable[[llama_cpp.Llama], Any]
@@ -55,8 +64,9 @@ class _Script:
     def ops(self) -> list[tuple[str, Op]]:
         rng = random.Random(self.seed)
         state: dict[str, Any] = {"chats": [[], []], "saved": None, "last": None}
-        kinds = ["complete", "sample", "stream", "continue", "chat", "eval", "clear"]
-        kinds += ["reset", "save", "load", "prepare"] + (["logprobs"] if self.logprobs else [])
+        kinds = ["complete", "sample", "shaped", "stream", "continue", "chat", "chat_stream"]
+        kinds += ["eval", "clear", "reset", "save", "load", "prepare"]
+        kinds += ["logprobs", "echo"] if self.logprobs else []
         weights = {"complete": 4, "continue": 3, "chat": 3, "eval": 2, "sample": 2, "stream": 2}
         chosen = rng.choices(kinds, weights=[weights.get(k, 1) for k in kinds], k=self.n_ops)
         return [(f"{i}:{kind}", _make_op(kind, rng, state)) for i, kind in enumerate(chosen)]
@@ -109,18 +119,48 @@ def _make_op(kind: str, rng: random.Random, state: dict[str, Any]) -> Op:
                 prompt, max_tokens=max_tokens, temperature=0, stream=True
             )
         )
+    if kind == "shaped":
+        # the sampler paths of test_dropin's _sampling_script, one drawn per call
+        shape = rng.choice(
+            [
+                {"grammar": "json"},
+                {"stop": [".", "\n"], "max_tokens": 24},
+                {"logit_bias": {198: -100.0, 13: 5.0}},
+                {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "seed": rng.randint(0, 99)},
+                {"temperature": 0.8, "min_p": 0.1, "seed": rng.randint(0, 99)},
+            ]
+        )
+
+        def shaped(llm: llama_cpp.Llama) -> Any:
+            kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, **shape}
+            if kwargs.get("grammar") == "json":
+                kwargs["grammar"] = llama_cpp.LlamaGrammar.from_json_schema(SCHEMA, verbose=False)
+                kwargs["max_tokens"] = 24
+            return _text(llm.create_completion(prompt, **kwargs))
+
+        return shaped
+    if kind == "echo":
+        return lambda llm: llm.create_completion(
+            prompt, max_tokens=2, temperature=0.0, logprobs=2, echo=True
+        )["choices"][0]["logprobs"]
     if kind == "logprobs":
         return lambda llm: llm.create_completion(prompt, max_tokens=3, temperature=0.0, logprobs=2)[
             "choices"
         ][0]["logprobs"]
-    if kind == "chat":
+    if kind in ("chat", "chat_stream"):
         which, turn = rng.randrange(2), rng.choice(USER_TURNS)
 
         def chat(llm: llama_cpp.Llama) -> Any:
             messages = state["chats"][which]
             messages.append({"role": "user", "content": turn})
-            out = llm.create_chat_completion(messages=messages, max_tokens=12, temperature=0.0)
-            reply = out["choices"][0]["message"]["content"]
+            if kind == "chat":
+                out = llm.create_chat_completion(messages=messages, max_tokens=12, temperature=0)
+                reply = out["choices"][0]["message"]["content"]
+            else:
+                chunks = llm.create_chat_completion(
+                    messages=messages, max_tokens=12, temperature=0, stream=True
+                )
+                reply = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
             messages.append({"role": "assistant", "content": reply})
             return reply
 
@@ -210,8 +250,8 @@ def test_defaults_match_a_cold_model_on_random_call_sequences(
 def test_every_tier_matches_a_cold_model_on_random_call_sequences(
     smollm2_path: Path, tmp_path: Path, seed: int
 ) -> None:
-    script = _Script(seed, n_ops=24, logprobs=True)
-    args: dict[str, Any] = {"n_ctx": N_CTX, "verbose": False, "seed": 7, "logits_all": True}
+    script = _Script(seed, n_ops=24, logprobs=False)
+    args: dict[str, Any] = {"n_ctx": N_CTX, "verbose": False, "seed": 7}
     want = _cold(smollm2_path, script, args)
     settings = Settings(
         page_tokens=32,
@@ -225,3 +265,18 @@ def test_every_tier_matches_a_cold_model_on_random_call_sequences(
     again, hits = _skippy(smollm2_path, script, args, settings)
     assert again == want, _first_difference(want, again)
     assert hits["l3"] + hits["l2"] > 0, hits
+
+
+def test_logits_all_matches_a_cold_model_on_random_call_sequences(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """With ``logits_all`` (prompt logprobs, ``llm.scores``) nothing is restored, but the cells
+    this object decoded are reused, and every row read must equal a cold model's."""
+    script = _Script(5, n_ops=28, logprobs=True)
+    args: dict[str, Any] = {"n_ctx": N_CTX, "verbose": False, "seed": 7, "logits_all": True}
+    want = _cold(smollm2_path, script, args)
+    l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"}
+    got, hits = _skippy(smollm2_path, script, args, Settings(page_tokens=32, l3=l3))
+    assert got == want, _first_difference(want, got)
+    assert hits["l3"] == hits["l2"] == 0, hits
+    assert any(name.endswith(("echo", "logprobs")) for name, _ in want)

@@ -161,6 +161,33 @@ def test_prompt_logprobs_after_a_cached_prefix_match_plain_llama(smollm2_path: P
     assert skippy.last_cache_event is not None and skippy.last_cache_event.cached_tokens > 0
 
 
+def test_logits_all_rows_are_never_restored_ones(smollm2_path: Path) -> None:
+    """With ``logits_all`` every prompt token's logits row can be read (prompt logprobs,
+    ``llm.scores`` in a perplexity loop), and cells restored from a tier come without theirs
+    (zeros before the fix: a uniform -log(n_vocab) logprob). Here TEXT would come back from
+    L1; the rows must equal plain Llama's, and cells this object decoded are still reused."""
+
+    def script(llm: llama_cpp.Llama) -> list[Any]:
+        _complete(llm, TEXT + "Question one:")
+        _complete(llm, OTHER + "Question two:")
+        _complete(llm, TEXT + "Question three:")  # TEXT is resident in L1 here
+        out = llm.create_completion(
+            TEXT + "Question four:", max_tokens=2, temperature=0.0, echo=True, logprobs=2
+        )
+        _complete(llm, OTHER + "Question five:")
+        llm.reset()
+        llm.eval(llm.tokenize((TEXT + "Question six:").encode()))
+        rows = llm.scores[: llm.n_tokens].tobytes()
+        again = _complete(llm, TEXT + "Question six: and")
+        return [out["choices"][0]["logprobs"], rows, again]
+
+    want, got, skippy = _both(smollm2_path, script, logits_all=True)
+    assert got == want
+    assert skippy.prefix_cache.counters.hits["l1"] == 0  # no checkpoint was restored
+    event = skippy.last_cache_event  # the last prompt extends the cells eval just decoded
+    assert event is not None and event.cached_tokens > 100
+
+
 # -- sampling paths ------------------------------------------------------------------------
 
 SCHEMA = {
