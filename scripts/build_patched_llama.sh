@@ -59,6 +59,7 @@ if [ "${1:-}" = "apply" ]; then
 fi
 [ $# -eq 0 ] || { echo "usage: $0 [apply DIR]" >&2; exit 2; }
 
+. "$ROOT/scripts/cmake_args.sh"
 FLAVOR="$(printf '%s' "${CMAKE_ARGS:-}" | sha256sum | cut -c1-12)"
 OUT="$CACHE/wheels/$VERSION-${DIGEST:0:16}-$FLAVOR"
 if compgen -G "$OUT/*.whl" > /dev/null; then
