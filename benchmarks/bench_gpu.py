@@ -11,8 +11,10 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
 
 with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), and
 the time of the L3 record after a request. ``--chat`` adds a linear raw-text chat (turns of
-``--turn`` new tokens, 48-token greedy replies) for plain Llama, SkippyLlama defaults and
-SkippyLlama with L3 on, in one process: total and last-turn time and whether replies agree.
+``--turn`` new tokens, 48-token greedy replies; ``--chat 8192 32000`` for several lengths) for
+plain Llama, SkippyLlama defaults and SkippyLlama with L3 on (``--chat-modes``), in one process,
+``--rounds`` interleaved rounds: total and last-turn time over plain's, the time spent in
+SkippyLlama's steps, and whether replies agree.
 
     python benchmarks/bench_gpu.py MODEL.gguf --sizes 2048 8192 32000 --chat 8192 \
         --out benchmarks/results/gpu.json
@@ -122,48 +124,121 @@ def bench_size(
     return row
 
 
-def bench_chat(model: str, n: int, turn: int, common: dict[str, Any]) -> dict[str, Any]:
+#: SkippyLlama steps timed in the chat (inclusive wall time, summed over the chat): where its
+#: extra time over plain ``Llama`` goes
+CHAT_STEPS = ("_restore", "_repair", "_record", "_capture", "_record_deferred", "_park")
+
+
+def _timed_steps(llm: SkippyLlama) -> dict[str, float]:
+    """Wrap ``llm``'s steps (instance attributes) to sum their wall time into the result."""
+    spent = dict.fromkeys(CHAT_STEPS, 0.0)
+
+    def wrap(name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        return timed
+
+    for name in CHAT_STEPS:
+        setattr(llm, name, wrap(name, getattr(llm, name)))
+    return spent
+
+
+def _chat_turns(n: int, turn: int) -> list[list[int]]:
     rng = np.random.default_rng(7)
     user_turns = []
     total = 0
     while total + turn + 48 < n:
         user_turns.append([int(t) for t in rng.integers(100, 30000, turn)])
         total += turn + 48
-    out: dict[str, Any] = {"turns": len(user_turns), "tokens": total}
-    replies: dict[str, list[list[int]]] = {}
+    return user_turns
+
+
+def _chat_round(make: Any, user_turns: list[list[int]]) -> tuple[dict[str, Any], list[list[int]]]:
+    llm = make()
+    spent = _timed_steps(llm) if isinstance(llm, SkippyLlama) else None
+    history: list[int] = []
+    times = []
+    got = []
+    for user in user_turns:
+        history = history + user
+        started = time.perf_counter()
+        res = llm.create_completion(history, max_tokens=48, temperature=0.0)
+        times.append(time.perf_counter() - started)
+        reply = llm.tokenize(res["choices"][0]["text"].encode(), add_bos=False)
+        got.append(reply)
+        history = history + reply
+    started = time.perf_counter()
+    llm.close()
+    row: dict[str, Any] = {
+        "total_s": round(sum(times), 4),
+        "last_turn_s": round(times[-1], 4),
+        "close_s": round(time.perf_counter() - started, 4),
+        "turn_s": [round(t, 4) for t in times],
+    }
+    if spent is not None:
+        row["steps_s"] = {k: round(v, 4) for k, v in spent.items()}
+    return row, got
+
+
+def bench_chat(
+    model: str, n: int, turn: int, common: dict[str, Any], rounds: int, names: list[str]
+) -> dict[str, Any]:
+    """A linear raw-text chat up to ``n`` tokens, every mode on a fresh model object per round;
+    rounds interleave the modes in an order rotated by the round, so drift of the machine's
+    speed between minutes does not decide a ratio. Ratios: per round, a mode's total (and last
+    turn) over plain's of the same round; the median over rounds, with min and max."""
+    user_turns = _chat_turns(n, turn)
+    out: dict[str, Any] = {"turns": len(user_turns), "tokens": n, "rounds": rounds}
     with tempfile.TemporaryDirectory() as tmp:
-        modes = {
+        makers = {
             "plain": lambda: llama_cpp.Llama(model, **common),
             "skippy": lambda: SkippyLlama(model, cache_settings=Settings(), **common),
-            "skippy_l3": lambda: SkippyLlama(model, cache_settings=_settings(Path(tmp)), **common),
         }
-        for name, make in modes.items():
-            llm = make()
-            history: list[int] = []
-            times = []
-            got = []
-            for user in user_turns:
-                history = history + user
-                started = time.perf_counter()
-                res = llm.create_completion(history, max_tokens=48, temperature=0.0)
-                times.append(time.perf_counter() - started)
-                reply = llm.tokenize(res["choices"][0]["text"].encode(), add_bos=False)
-                got.append(reply)
-                history = history + reply
-            started = time.perf_counter()
-            llm.close()
-            out[name] = {
-                "total_s": round(sum(times), 4),
-                "last_turn_s": round(times[-1], 4),
-                "close_s": round(time.perf_counter() - started, 4),
-            }
-            replies[name] = got
-    for name in ("skippy", "skippy_l3"):
-        out[name]["total_over_plain"] = round(out[name]["total_s"] / out["plain"]["total_s"], 4)
-        out[name]["last_over_plain"] = round(
-            out[name]["last_turn_s"] / out["plain"]["last_turn_s"], 4
-        )
-        out[name]["replies_equal"] = replies[name] == replies["plain"]
+
+        def with_l3(defer: bool) -> Any:
+            def make() -> SkippyLlama:
+                store = Path(tempfile.mkdtemp(dir=tmp))  # a fresh store per round
+                llm = SkippyLlama(model, cache_settings=_settings(store), **common)
+                if not defer:
+                    llm.defer_record_tokens = 0
+                return llm
+
+            return make
+
+        makers["skippy_l3"] = with_l3(True)
+        makers["skippy_l3_eager"] = with_l3(False)
+        modes = ["plain", *[m for m in names if m != "plain"]]
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        replies: dict[str, list[list[list[int]]]] = {m: [] for m in modes}
+        for r in range(rounds):
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
+            for name in order:
+                row, got = _chat_round(makers[name], user_turns)
+                runs[name].append(row)
+                replies[name].append(got)
+                print(json.dumps({"n": n, "round": r, "mode": name, **row}), flush=True)
+    for name in modes:
+        rows = runs[name]
+        summary: dict[str, Any] = {"runs": rows}
+        if name != "plain":
+            for key, label in (("total_s", "total_over_plain"), ("last_turn_s", "last_over_plain")):
+                ratios = sorted(
+                    row[key] / base[key] for row, base in zip(rows, runs["plain"], strict=True)
+                )
+                summary[label] = {
+                    "median": round(float(np.median(ratios)), 4),
+                    "min": round(ratios[0], 4),
+                    "max": round(ratios[-1], 4),
+                }
+            summary["replies_equal_plain"] = all(g == replies["plain"][0] for g in replies[name])
+        # every round of a mode must answer alike (each starts from a fresh object)
+        summary["replies_stable"] = all(g == replies[name][0] for g in replies[name])
+        out[name] = summary
     return out
 
 
@@ -171,7 +246,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--sizes", type=int, nargs="*", default=[2048, 8192])
-    parser.add_argument("--chat", type=int, default=0, help="linear chat up to this many tokens")
+    parser.add_argument(
+        "--chat", type=int, nargs="*", default=[], help="linear chats up to these many tokens"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per chat")
+    parser.add_argument(
+        "--chat-modes",
+        default="skippy,skippy_l3",
+        help="comma-separated, beside plain: skippy, skippy_l3 (records left waiting as shipped "
+        "on GPU builds), skippy_l3_eager (records made after every request)",
+    )
     parser.add_argument("--turn", type=int, default=600, help="new tokens per chat turn")
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--flash-attn", type=int, default=1)
@@ -188,7 +272,7 @@ def main() -> None:
         hostmem.MAPPED_BYTES = 1 << 62
     elif args.buffers == "huge":
         hostmem.HUGE_PAGES = True
-    n_ctx = max([*args.sizes, args.chat]) + 1024
+    n_ctx = max([*args.sizes, *args.chat]) + 1024
     common = {
         "n_ctx": n_ctx,
         "n_gpu_layers": args.n_gpu_layers,
@@ -207,9 +291,14 @@ def main() -> None:
         row = bench_size(args.model, n, common, rng)
         print(json.dumps(row), flush=True)
         report["sizes"].append(row)
-    if args.chat:
-        report["chat"] = bench_chat(args.model, args.chat, args.turn, common)
-        print(json.dumps(report["chat"]), flush=True)
+    names = args.chat_modes.split(",")
+    report["chats"] = []
+    for n in args.chat:
+        chat = bench_chat(args.model, n, args.turn, common, args.rounds, names)
+        print(json.dumps({k: v for k, v in chat.items() if not isinstance(v, dict)}), flush=True)
+        for name in names:
+            print(name, {k: v for k, v in chat[name].items() if k != "runs"}, flush=True)
+        report["chats"].append(chat)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
