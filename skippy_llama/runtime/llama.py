@@ -63,6 +63,10 @@ WORKING_SEQ = 0
 #: kernels than a batch, and its logits then differ from a cold prefill's (measured: up to 0.66
 #: on SmolLM2); two or more tokens decode bit-identically.
 DECODED_SUFFIX = 2
+#: The split probe (see ``SkippyLlama._split_invariant``): a prompt of this many tokens, decoded
+#: whole and then split after each of these many tokens.
+SPLIT_PROBE_TOKENS = 24
+SPLIT_PROBE_AT = (1, 3, 5, 6, 7, 9, 10, 11, 13, 17)
 #: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
 SCRATCH_SEQ = 1
 #: On GPU builds the L3 record of a sequence that grew from its last record waits until this
@@ -246,10 +250,11 @@ class SkippyLlama(llama_cpp.Llama):
         decoded in chunks whose boundaries sit at multiples of ``n_ubatch`` (``Llama.eval``
         splits by ``n_batch``, a multiple of it), and cached cells are reused only up to such
         a boundary, so a cached run decodes exactly the micro-batches a cold one does. On the
-        CPU with flash attention off the bytes do not depend on the split: any token boundary.
+        CPU with flash attention off the bytes do not depend on the split for most weight
+        types (any token boundary then), but not for all: see :meth:`_split_invariant`.
         """
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        if native.backend_name() == "CPU" and not flash:
+        if native.backend_name() == "CPU" and not flash and self._split_invariant():
             return 1
         n_ubatch = int(self.context_params.n_ubatch)
         if self.n_batch % n_ubatch:
@@ -258,6 +263,40 @@ class SkippyLlama(llama_cpp.Llama):
                 "prefills cannot be split canonically"
             )
         return n_ubatch
+
+    def _split_invariant(self) -> bool:
+        """Whether this model's prefill gives every token the same results however the prompt
+        is split into batches (asked on the CPU with flash attention off).
+
+        Most weight types do there (SmolLM2 Q4_1: 0 of 70 splits of a 171-token prompt changed
+        its last logits), but weights that ggml repacks for the CPU (Q4_0, Q4_K, IQ4_NL on AVX2,
+        more on Arm) go through kernels that take a batch's columns in groups, so a token's
+        results depend on where its batch starts and ends: Gemma 3 270M Q4_K_M changed its last
+        logits at 54 of 70 splits, by up to 1.46 (``benchmarks/probe_split.py``), and an L1 hit
+        reused at such a point answered differently from a cold prompt. A short prompt decoded
+        whole, then split at several points, decides: any difference and reuse ends on
+        ``n_ubatch`` boundaries, as on GPU builds. Costs a few small decodes at load.
+        """
+        if self.cache_disabled_reason is not None or self.n_ctx() <= SPLIT_PROBE_TOKENS:
+            return False
+        vocab = self.n_vocab()
+        tokens = [(7919 * i + 101) % vocab for i in range(SPLIT_PROBE_TOKENS)]
+
+        def last_logits(split: int) -> np.ndarray[Any, Any]:
+            native.seq_rm(self.ctx, WORKING_SEQ)
+            self.n_tokens = 0
+            for part in (tokens[:split], tokens[split:]):
+                if part:
+                    llama_cpp.Llama.eval(self, part)  # plain decodes: no cache involved
+            ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(vocab,)).copy()
+
+        try:
+            whole = last_logits(0)
+            return all(np.array_equal(last_logits(k), whole) for k in SPLIT_PROBE_AT)
+        finally:
+            native.seq_rm(self.ctx, WORKING_SEQ)
+            self.n_tokens = 0
 
     @staticmethod
     def _context_adjuster(n_seq_max: int) -> Any:

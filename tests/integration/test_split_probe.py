@@ -1,0 +1,57 @@
+"""Reuse at any token boundary only where the model's prefill does not depend on the batch split.
+
+On the CPU with flash attention off, SmolLM2 Q4_1 gives every token the same results however a
+prompt is split, but Gemma 3 270M Q4_K_M does not (its weights are repacked for the CPU and its
+kernels take a batch's columns in groups): an L1 hit reused after 107 tokens answered with logits
+up to 1.12 away from a cold prefill's, its argmax changed (measured before the probe). The load
+time probe (``SkippyLlama._split_invariant``) must keep any-token reuse for the first and end
+reuse on ``n_ubatch`` boundaries for the second, where every answer then equals a cold one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+from modelhelpers import cold_logits, last_logits
+
+from skippy_llama.config import Settings
+from skippy_llama.runtime.llama import SkippyLlama
+
+pytestmark = pytest.mark.model
+
+KWARGS: dict[str, object] = {"n_ctx": 2048, "n_batch": 512, "flash_attn": False, "verbose": False}
+
+
+def _tokens(n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(0).integers(100, 20000, n)]
+
+
+def test_a_split_invariant_model_reuses_any_token_boundary(smollm2_path: Path) -> None:
+    llm = SkippyLlama(str(smollm2_path), cache_settings=Settings(), **KWARGS)
+    try:
+        assert llm.granule == 1
+        assert llm.n_tokens == 0  # the probe leaves nothing behind
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("k", [103, 107, 150])
+def test_a_split_dependent_model_reuses_only_canonical_batches(gemma3_path: Path, k: int) -> None:
+    tokens = _tokens(400)
+    llm = SkippyLlama(str(gemma3_path), cache_settings=Settings(), **KWARGS)
+    cold = llama_cpp.Llama(str(gemma3_path), **KWARGS)
+    try:
+        assert llm.granule == 512
+        llm.create_completion(tokens[:k], max_tokens=1)
+        llm.create_completion(tokens[300:340], max_tokens=1)  # the first prompt leaves
+        longer = tokens[: k + 20]
+        llm.create_completion(longer, max_tokens=1)
+        event = llm.last_cache_event
+        assert event is not None and event.cached_tokens % 512 == 0
+        assert np.array_equal(last_logits(llm), cold_logits(cold, longer))
+    finally:
+        llm.close()
+        cold.close()
