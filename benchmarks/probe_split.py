@@ -20,6 +20,7 @@ import llama_cpp
 import numpy as np
 
 from skippy_llama.models import default_model_path, gemma3_model_path
+from skippy_llama.runtime import native
 
 
 def main() -> None:
@@ -39,8 +40,7 @@ def main() -> None:
         for end in [*splits, len(tokens)]:
             llm.eval(tokens[start:end])
             start = end
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+        return native.last_logits(llm.ctx, llm.n_vocab())
 
     cold = last_logits([])
     differing = []

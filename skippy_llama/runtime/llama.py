@@ -283,20 +283,17 @@ class SkippyLlama(llama_cpp.Llama):
         tokens = [(7919 * i + 101) % vocab for i in range(SPLIT_PROBE_TOKENS)]
 
         def last_logits(split: int) -> np.ndarray[Any, Any]:
-            native.seq_rm(self.ctx, WORKING_SEQ)
-            self.n_tokens = 0
+            self._drop_working()
             for part in (tokens[:split], tokens[split:]):
                 if part:
                     llama_cpp.Llama.eval(self, part)  # plain decodes: no cache involved
-            ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
-            return np.ctypeslib.as_array(ptr, shape=(vocab,)).copy()
+            return native.last_logits(self.ctx, vocab)
 
         try:
             whole = last_logits(0)
             return all(np.array_equal(last_logits(k), whole) for k in SPLIT_PROBE_AT)
         finally:
-            native.seq_rm(self.ctx, WORKING_SEQ)
-            self.n_tokens = 0
+            self._drop_working()
 
     @staticmethod
     def _context_adjuster(n_seq_max: int) -> Any:
