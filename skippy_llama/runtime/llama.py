@@ -64,9 +64,26 @@ WORKING_SEQ = 0
 #: on SmolLM2); two or more tokens decode bit-identically.
 DECODED_SUFFIX = 2
 #: The split probe (see ``SkippyLlama._split_invariant``): a prompt of this many tokens, decoded
-#: whole and then split after each of these many tokens.
-SPLIT_PROBE_TOKENS = 24
-SPLIT_PROBE_AT = (1, 3, 5, 6, 7, 9, 10, 11, 13, 17)
+#: whole and then split after each of these many tokens (parts of every residue class that
+#: grouped kernels treat apart: Gemma 3 Q4_K_M differs at each of them, SmolLM2 Q4_1 at none).
+SPLIT_PROBE_TOKENS = 16
+SPLIT_PROBE_AT = (1, 3, 6, 11, 13)
+#: The probe's verdicts in this process, by model file and the settings that choose kernels.
+_split_verdicts: dict[tuple[Any, ...], bool] = {}
+_KERNEL_FIELDS = (
+    "n_ctx",
+    "n_batch",
+    "n_ubatch",
+    "n_seq_max",
+    "n_threads",
+    "n_threads_batch",
+    "type_k",
+    "type_v",
+    "flash_attn_type",
+    "offload_kqv",
+    "swa_full",
+    "kv_unified",
+)
 #: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
 SCRATCH_SEQ = 1
 #: On GPU builds the L3 record of a sequence that grew from its last record waits until this
@@ -275,10 +292,31 @@ class SkippyLlama(llama_cpp.Llama):
         logits at 54 of 70 splits, by up to 1.46 (``benchmarks/probe_split.py``), and an L1 hit
         reused at such a point answered differently from a cold prompt. A short prompt decoded
         whole, then split at several points, decides: any difference and reuse ends on
-        ``n_ubatch`` boundaries, as on GPU builds. Costs a few small decodes at load.
+        ``n_ubatch`` boundaries, as on GPU builds. Costs six decodes of 16 tokens or fewer at
+        the first load of a model file with given kernel settings in a process (0.4 s for
+        SmolLM2 on two cores); later loads reuse the verdict.
         """
         if self.cache_disabled_reason is not None or self.n_ctx() <= SPLIT_PROBE_TOKENS:
             return False
+        key = self._split_probe_key()
+        verdict = _split_verdicts.get(key)
+        if verdict is None:
+            verdict = _split_verdicts[key] = self._probe_split()
+        return verdict
+
+    def _split_probe_key(self) -> tuple[Any, ...]:
+        """What the probe's verdict depends on: the model file and the context settings that
+        choose llama.cpp's kernels (the library is the process's own)."""
+        stat = Path(self.model_path).stat()
+        p = self.context_params
+        return (
+            str(Path(self.model_path).resolve()),
+            stat.st_size,
+            stat.st_mtime_ns,
+            *(int(getattr(p, field)) for field in _KERNEL_FIELDS),
+        )
+
+    def _probe_split(self) -> bool:
         vocab = self.n_vocab()
         tokens = [(7919 * i + 101) % vocab for i in range(SPLIT_PROBE_TOKENS)]
 

@@ -38,6 +38,27 @@ def test_a_split_invariant_model_reuses_any_token_boundary(smollm2_path: Path) -
         llm.close()
 
 
+def test_the_verdict_is_probed_once_per_model_and_kernel_settings(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probes: list[int] = []
+    probe = SkippyLlama._probe_split
+
+    def counted(self: SkippyLlama) -> bool:
+        probes.append(int(self.context_params.n_ubatch))
+        return probe(self)
+
+    monkeypatch.setattr(SkippyLlama, "_probe_split", counted)
+    monkeypatch.setattr("skippy_llama.runtime.llama._split_verdicts", {})
+    for n_ubatch in (512, 512, 256):
+        llm = SkippyLlama(str(smollm2_path), cache_settings=Settings(), n_ubatch=n_ubatch, **KWARGS)
+        try:
+            assert llm.granule == 1
+        finally:
+            llm.close()
+    assert probes == [512, 256]  # the second load reused the first's verdict
+
+
 @pytest.mark.parametrize("k", [103, 107, 150])
 def test_a_split_dependent_model_reuses_only_canonical_batches(gemma3_path: Path, k: int) -> None:
     tokens = _tokens(400)
