@@ -268,10 +268,14 @@ class SkippyLlama(llama_cpp.Llama):
         splits by ``n_batch``, a multiple of it), and cached cells are reused only up to such
         a boundary, so a cached run decodes exactly the micro-batches a cold one does. On the
         CPU with flash attention off the bytes do not depend on the split for most weight
-        types (any token boundary then), but not for all: see :meth:`_split_invariant`.
+        types (any token boundary then), but not for all (see :meth:`_split_invariant`), nor
+        with a BLAS backend.
         """
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        if native.backend_name() == "CPU" and not flash and self._split_invariant():
+        # a BLAS build hands llama.cpp's matrix products of 32 or more tokens to BLAS (ggml-blas
+        # min_batch) and smaller ones to ggml's kernels: too large for the probe to see
+        blas = "BLAS" in native.registered_backends()
+        if native.backend_name() == "CPU" and not flash and not blas and self._split_invariant():
             return 1
         n_ubatch = int(self.context_params.n_ubatch)
         if self.n_batch % n_ubatch:

@@ -163,6 +163,17 @@ def backend_name() -> str:
     return "GPU"
 
 
+def registered_backends() -> list[str]:
+    """Names in ggml's backend registry (``CPU``, ``BLAS``, ``CUDA`` …); empty if unknown."""
+    lib = ggml()
+    if lib is None:
+        return []
+    return [
+        str(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode("utf-8", "replace"))
+        for i in range(int(lib.ggml_backend_reg_count()))
+    ]
+
+
 def device_names() -> list[str]:
     """``name: description`` of every ggml backend device (the GPU model on GPU builds)."""
     lib = ggml()

@@ -59,6 +59,19 @@ def test_the_verdict_is_probed_once_per_model_and_kernel_settings(
     assert probes == [512, 256]  # the second load reused the first's verdict
 
 
+def test_a_blas_build_reuses_only_canonical_batches(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # BLAS takes matrix products of 32 tokens or more, beyond what the probe decodes; no BLAS
+    # build here, so the registry is what changes (its numerics are llama.cpp's to test)
+    monkeypatch.setattr("skippy_llama.runtime.native.registered_backends", lambda: ["CPU", "BLAS"])
+    llm = SkippyLlama(str(smollm2_path), cache_settings=Settings(), **KWARGS)
+    try:
+        assert llm.granule == 512
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("k", [103, 107, 150])
 def test_a_split_dependent_model_reuses_only_canonical_batches(gemma3_path: Path, k: int) -> None:
     tokens = _tokens(400)
