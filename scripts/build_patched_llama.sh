@@ -9,14 +9,16 @@
 # Install the result with: .venv/bin/pip install --force-reinstall --no-deps "$(scripts/build_patched_llama.sh | tail -1)"
 #
 # Idempotent and cached: the sdist is downloaded once, and a wheel is kept per (patch-queue digest,
-# CMAKE_ARGS) under ${SKIPPY_LLAMA_CACHE:-~/.cache/skippy-llama}; a changed patch builds a new one.
+# CMAKE_ARGS) under ${SKIPPY_LLAMA_CACHE:-~/.cache/skippy-llama} (scripts/wheel_build.sh); a changed patch
+# builds a new one.
 # The queue digest is compiled into the library (skippy_patch_queue_sha256), so the runtime can match
 # the loaded library against roster/split-certified.json exactly.
 # Environment: PYTHON (default python3) builds; CMAKE_BUILD_PARALLEL_LEVEL (default 2).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-CACHE="${SKIPPY_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/skippy-llama}"
+. "$ROOT/scripts/wheel_build.sh"
+CACHE="$WHEEL_CACHE"
 
 roster() { PYTHONPATH="$ROOT" "$PYTHON" -c "import skippy_llama.roster as r; print($1)"; }
 VERSION="$(roster r.LLAMA_CPP_PYTHON_VERSION)"
@@ -59,23 +61,13 @@ if [ "${1:-}" = "apply" ]; then
 fi
 [ $# -eq 0 ] || { echo "usage: $0 [apply DIR]" >&2; exit 2; }
 
-. "$ROOT/scripts/cmake_args.sh"
-FLAVOR="$(printf '%s' "${CMAKE_ARGS:-}" | sha256sum | cut -c1-12)"
-OUT="$CACHE/wheels/$VERSION-${DIGEST:0:16}-$FLAVOR"
-if compgen -G "$OUT/*.whl" > /dev/null; then
+OUT="$(wheel_dir "$VERSION" "${DIGEST:0:16}")"
+if has_wheel "$OUT"; then
   echo "build_patched_llama: reusing the cached wheel for queue ${DIGEST:0:12}" >&2
-  ls "$OUT"/*.whl | head -1
-  exit 0
+else
+  WORK="$(mktemp -d)"
+  trap 'rm -rf "$WORK"' EXIT
+  SRC="$(apply_queue "$WORK" | tail -1)"
+  CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" build_wheel "$OUT" "$PYTHON" "$SRC"
 fi
-
-WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
-SRC="$(apply_queue "$WORK" | tail -1)"
-echo "build_patched_llama: building the patched wheel (queue ${DIGEST:0:12}, CMAKE_ARGS='${CMAKE_ARGS:-}'); minutes" >&2
-CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
-  nice -n 10 "$PYTHON" -m pip wheel --quiet --no-deps --no-cache-dir -w "$WORK/wheel" "$SRC" >&2
-mkdir -p "$CACHE/wheels"
-rm -rf "$OUT.tmp"
-mv "$WORK/wheel" "$OUT.tmp"
-mv "$OUT.tmp" "$OUT"
 ls "$OUT"/*.whl | head -1
