@@ -8,7 +8,8 @@ bytes of a page:
 
 - ``offload``: GPU builds only (which device computes a layer changes its kernels);
 - ``batch_split``: GPU builds or flash attention on, where kernels depend on how the prompt was
-  cut into batches (issue 12: on CPU with flash attention off they do not);
+  cut into batches (issue 12: on CPU with flash attention off they do not, except for weights
+  ggml repacks and BLAS builds, which the runtime detects at load);
 - ``longrope``: models with LongRoPE factors, whose rope switches between short and long factors
   by the per-sequence context length.
 
@@ -199,6 +200,9 @@ class Conditions:
     gpu: bool
     flash_attn: bool
     longrope: bool
+    #: the CPU build's prefill of this model depends on the batch split (weights ggml repacks,
+    #: a BLAS backend; ``SkippyLlama._canonical_granule``), so the split is identity there too
+    split_dependent: bool = False
     #: ``cross_backend`` is on: the backend component (the build's backend name, the offload
     #: settings and the device names) leaves the identity, and the batch split stays in it on
     #: every build, so the CPU, a partial and a full offload of one model name the same pages.
@@ -211,7 +215,7 @@ class Conditions:
         if rule == "offload":
             return self.gpu and not self.cross_backend
         if rule == "batch_split":
-            return self.gpu or self.flash_attn or self.cross_backend
+            return self.gpu or self.flash_attn or self.split_dependent or self.cross_backend
         if rule == "longrope":
             return self.longrope
         return False
@@ -309,8 +313,13 @@ def live_values(llm: llama_cpp.Llama, *, durable: bool, gpu: bool) -> dict[str, 
     return values
 
 
-def build_identity(llm: llama_cpp.Llama, settings: Settings, kv_layout: Any) -> CacheIdentity:
+def build_identity(
+    llm: llama_cpp.Llama, settings: Settings, kv_layout: Any, *, split_dependent: bool = False
+) -> CacheIdentity:
     """The cache identity of ``llm`` (a loaded ``Llama`` whose KV layout was probed).
+
+    ``split_dependent``: the model's prefill depends on the batch split on this CPU build
+    (see :class:`Conditions`), so ``n_batch`` and ``n_ubatch`` name its pages.
 
     The GGUF (and any LoRA adapter) is hashed only when L3 is on — L2 mirrors L3 and needs it
     too; L1 alone gets a per-process digest. The hash is memoized across processes and shows
@@ -328,6 +337,7 @@ def build_identity(llm: llama_cpp.Llama, settings: Settings, kv_layout: Any) -> 
         gpu=gpu,
         flash_attn=flash,
         longrope=longrope,
+        split_dependent=split_dependent,
         cross_backend=settings.cross_backend,
     )
     if settings.cross_backend:

@@ -459,9 +459,9 @@ class SkippyLlama(llama_cpp.Llama):
         return self._verdict
 
     def _identity(self) -> CacheIdentity:
-        return build_identity(self, self.cache_settings, self.kv_layout)
-
-    # -- the cached paths -----------------------------------------------------------------
+        return build_identity(
+            self, self.cache_settings, self.kv_layout, split_dependent=self.granule > 1
+        )
 
     @property
     def caching(self) -> bool:

@@ -132,6 +132,14 @@ def test_cpu_identity_leaves_out_batch_offload_and_context_length() -> None:
         assert key in chosen
 
 
+def test_a_split_dependent_cpu_prefill_puts_the_batch_split_in_the_identity() -> None:
+    split = Conditions(gpu=False, flash_attn=False, longrope=False, split_dependent=True)
+    chosen = select_params(_values(), split)
+    assert "context.n_batch" in chosen and "context.n_ubatch" in chosen
+    assert "model.n_gpu_layers" not in chosen  # still a CPU build: offload stays out
+    assert _root(chosen) != _root(select_params(_values(**{"context.n_ubatch": 7}), split))
+
+
 def test_gpu_identity_has_offload_and_device() -> None:
     chosen = select_params(_values(), CONDITIONAL["offload"])
     for key in (
