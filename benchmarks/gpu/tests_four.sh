@@ -9,8 +9,8 @@ mkdir -p /tmp/sc && cp .gpu/force_ngl_sitecustomize.py /tmp/sc/sitecustomize.py
 export PYTHONPATH=/tmp/sc:$PYTHONPATH
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl 2>/dev/null
 T=tests/integration
-G1="$T/test_l3_runtime.py $T/test_server.py $T/test_package_cli.py $T/test_l3_crash.py $T/test_swa_l1.py $T/test_restore_exact.py $T/test_matrix.py $T/test_trace_replay.py $T/test_cross_backend.py $T/test_server_page.py $T/test_native_ext.py $T/test_append_runtime.py $T/test_differential.py"
-G2="$T/test_kvcache_cli.py $T/test_dropin.py $T/test_identity_misses.py $T/test_skippy_llama.py $T/test_l3_damaged_cli.py $T/test_simulate_cli.py $T/test_batch.py $T/test_tier_interplay.py $T/test_native_verdict_cli.py $T/test_package_runtime.py $T/test_run_cli.py $T/test_bench_overhead_workloads.py"
+G1="$T/test_l3_runtime.py $T/test_server.py $T/test_package_cli.py $T/test_l3_crash.py $T/test_swa_l1.py $T/test_restore_exact.py $T/test_matrix.py $T/test_trace_replay.py $T/test_cross_backend.py $T/test_server_page.py $T/test_native_ext.py $T/test_append_runtime.py $T/test_differential.py $T/test_deferred_record.py $T/test_split_probe.py"
+G2="$T/test_kvcache_cli.py $T/test_dropin.py $T/test_identity_misses.py $T/test_skippy_llama.py $T/test_l3_damaged_cli.py $T/test_simulate_cli.py $T/test_batch.py $T/test_tier_interplay.py $T/test_native_verdict_cli.py $T/test_package_runtime.py $T/test_run_cli.py $T/test_bench_overhead_workloads.py $T/test_prepare_turn.py"
 for ngl in -1 0; do
   for g in ${GROUPS_SEL:-1 2}; do
     eval files=\$G$g

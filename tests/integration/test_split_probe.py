@@ -20,7 +20,13 @@ from modelhelpers import cold_logits, last_logits
 from skippy_llama.config import Settings
 from skippy_llama.runtime.llama import SkippyLlama
 
-pytestmark = pytest.mark.model
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        llama_cpp.llama_supports_gpu_offload(),
+        reason="GPU build: reuse ends on n_ubatch boundaries for every model, no probe runs",
+    ),
+]
 
 KWARGS: dict[str, object] = {"n_ctx": 2048, "n_batch": 512, "flash_attn": False, "verbose": False}
 
