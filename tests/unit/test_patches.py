@@ -56,7 +56,8 @@ def test_a_patch_that_does_not_apply_is_refused(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "patches", repo / "patches")
     shutil.copytree(ROOT / "skippy_llama", repo / "skippy_llama")
     (repo / "scripts").mkdir()
-    shutil.copy(BUILD, repo / "scripts")
+    for script in (BUILD, BUILD.parent / "wheel_build.sh"):
+        shutil.copy(script, repo / "scripts")
     patch = repo / "patches" / queue_patches()[1].name
     patch.write_text(
         patch.read_text().replace("io.write(&n_stream, sizeof(n_stream));", "io.write(&nope);")
