@@ -32,9 +32,14 @@ _DIGEST_CHUNK = 8 << 20
 RECURRENT_MARKERS = ("ssm_", "time_mix", "recurrent", "rwkv")
 
 
-def _identity_cache_path() -> Path:
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/skippy-llama`` (``~/.cache/skippy-llama``): the memos of this user."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "skippy-llama" / "file-digests.json"
+    return Path(base) / "skippy-llama"
+
+
+def _identity_cache_path() -> Path:
+    return user_cache_dir() / "file-digests.json"
 
 
 #: Files at least this large report hashing progress (a multi-GB GGUF takes seconds to minutes).
@@ -53,7 +58,8 @@ def file_stamp(path: str | os.PathLike[str]) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def _read_memo(memo: Path) -> dict[str, Any]:
+def read_memo(memo: Path) -> dict[str, Any]:
+    """A JSON memo's table; empty when it is missing, unreadable or not an object."""
     try:
         table = json.loads(memo.read_text())
     except (OSError, ValueError):
@@ -61,9 +67,11 @@ def _read_memo(memo: Path) -> dict[str, Any]:
     return table if isinstance(table, dict) else {}
 
 
-def _write_memo(memo: Path, key: str, stamp: str, digest: str) -> None:
-    table = _read_memo(memo)
-    table[key] = {"stamp": stamp, "digest": digest}
+def write_memo(memo: Path, key: str, value: Any) -> None:
+    """Set ``key`` in a JSON memo, replaced atomically; failures are ignored (a memo only saves
+    work)."""
+    table = read_memo(memo)
+    table[key] = value
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
@@ -108,7 +116,7 @@ def file_digest(
     p = Path(path).resolve()
     stamp = file_stamp(p)
     memo = memo or _identity_cache_path()
-    hit = _read_memo(memo).get(str(p))
+    hit = read_memo(memo).get(str(p))
     if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("digest"), str):
         return str(hit["digest"])
     size = p.stat().st_size
@@ -124,7 +132,7 @@ def file_digest(
                 progress(done, size)
     digest = "xxh3:" + h.hexdigest()
     if file_stamp(p) == stamp:  # not rewritten while it was read
-        _write_memo(memo, str(p), stamp, digest)
+        write_memo(memo, str(p), {"stamp": stamp, "digest": digest})
     return digest
 
 
@@ -141,7 +149,7 @@ def record_file_digest(
     p = Path(path).resolve()
     if ":" not in digest or file_stamp(p) != stamp:
         return False
-    _write_memo(memo or _identity_cache_path(), str(p), stamp, digest)
+    write_memo(memo or _identity_cache_path(), str(p), {"stamp": stamp, "digest": digest})
     return True
 
 

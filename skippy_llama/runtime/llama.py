@@ -50,7 +50,7 @@ from ..tiers.disk import DiskTier
 from ..tiers.ram import RamTier
 from ..tiers.resident import ResidentIndex, common_prefix
 from ..tiers.resident_costs import ResidentCosts
-from . import native, native_ext
+from . import native, native_ext, split_verdicts
 from .chat_head import template_head
 from .identity_params import build_identity
 from .recipe import native_verdict
@@ -68,8 +68,7 @@ DECODED_SUFFIX = 2
 #: grouped kernels treat apart: Gemma 3 Q4_K_M differs at each of them, SmolLM2 Q4_1 at none).
 SPLIT_PROBE_TOKENS = 16
 SPLIT_PROBE_AT = (1, 3, 6, 11, 13)
-#: The probe's verdicts in this process, by model file and the settings that choose kernels.
-_split_verdicts: dict[tuple[Any, ...], bool] = {}
+#: The context fields that choose llama.cpp's kernels, part of a probe verdict's key.
 _KERNEL_FIELDS = (
     "n_ctx",
     "n_batch",
@@ -296,29 +295,21 @@ class SkippyLlama(llama_cpp.Llama):
         logits at 54 of 70 splits, by up to 1.46 (``benchmarks/probe_split.py``), and an L1 hit
         reused at such a point answered differently from a cold prompt. A short prompt decoded
         whole, then split at several points, decides: any difference and reuse ends on
-        ``n_ubatch`` boundaries, as on GPU builds. Costs six decodes of 16 tokens or fewer at
-        the first load of a model file with given kernel settings in a process (0.4 s for
-        SmolLM2 on two cores); later loads reuse the verdict.
+        ``n_ubatch`` boundaries, as on GPU builds. Costs eleven decodes of 16 tokens or fewer
+        (0.4 s for SmolLM2 on two cores) the first time a model is loaded with given kernel
+        settings on a build and CPU; later loads reuse the verdict (``split_verdicts``).
         """
         if self.cache_disabled_reason is not None or self.n_ctx() <= SPLIT_PROBE_TOKENS:
             return False
-        key = self._split_probe_key()
-        verdict = _split_verdicts.get(key)
-        if verdict is None:
-            verdict = _split_verdicts[key] = self._probe_split()
-        return verdict
-
-    def _split_probe_key(self) -> tuple[Any, ...]:
-        """What the probe's verdict depends on: the model file and the context settings that
-        choose llama.cpp's kernels (the library is the process's own)."""
-        stat = Path(self.model_path).stat()
         p = self.context_params
-        return (
-            str(Path(self.model_path).resolve()),
-            stat.st_size,
-            stat.st_mtime_ns,
-            *(int(getattr(p, field)) for field in _KERNEL_FIELDS),
+        key = split_verdicts.verdict_key(
+            self.model_path, (f"{f}={int(getattr(p, f))}" for f in _KERNEL_FIELDS)
         )
+        verdict = split_verdicts.lookup(key)
+        if verdict is None:
+            verdict = self._probe_split()
+            split_verdicts.remember(key, verdict)
+        return verdict
 
     def _probe_split(self) -> bool:
         vocab = self.n_vocab()

@@ -10,6 +10,7 @@ reuse on ``n_ubatch`` boundaries for the second, where every answer then equals 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import llama_cpp
@@ -18,6 +19,7 @@ import pytest
 from modelhelpers import cold_logits, last_logits
 
 from skippy_llama.config import Settings
+from skippy_llama.runtime import split_verdicts
 from skippy_llama.runtime.llama import SkippyLlama
 
 pytestmark = [
@@ -44,25 +46,64 @@ def test_a_split_invariant_model_reuses_any_token_boundary(smollm2_path: Path) -
         llm.close()
 
 
-def test_the_verdict_is_probed_once_per_model_and_kernel_settings(
-    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    probes: list[int] = []
+@pytest.fixture
+def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
+    """The n_ubatch of each probe run, with empty verdict memos (this process's and the disk's)."""
+    runs: list[int] = []
     probe = SkippyLlama._probe_split
 
     def counted(self: SkippyLlama) -> bool:
-        probes.append(int(self.context_params.n_ubatch))
+        runs.append(int(self.context_params.n_ubatch))
         return probe(self)
 
     monkeypatch.setattr(SkippyLlama, "_probe_split", counted)
-    monkeypatch.setattr("skippy_llama.runtime.llama._split_verdicts", {})
-    for n_ubatch in (512, 512, 256):
-        llm = SkippyLlama(str(smollm2_path), cache_settings=Settings(), n_ubatch=n_ubatch, **KWARGS)
-        try:
-            assert llm.granule == 1
-        finally:
-            llm.close()
+    monkeypatch.setattr(split_verdicts, "_verdicts", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return runs
+
+
+def _granule(model: Path, **kwargs: object) -> int:
+    llm = SkippyLlama(str(model), cache_settings=Settings(), **{**KWARGS, **kwargs})
+    try:
+        return llm.granule
+    finally:
+        llm.close()
+
+
+def test_the_verdict_is_probed_once_per_model_and_kernel_settings(
+    smollm2_path: Path, probes: list[int]
+) -> None:
+    assert [_granule(smollm2_path, n_ubatch=n) for n in (512, 512, 256)] == [1, 1, 1]
     assert probes == [512, 256]  # the second load reused the first's verdict
+
+
+def test_a_new_process_reuses_the_verdict_kept_on_disk(
+    smollm2_path: Path, probes: list[int], tmp_path: Path
+) -> None:
+    assert _granule(smollm2_path) == 1
+    split_verdicts._verdicts.clear()  # what a new process starts with
+    assert _granule(smollm2_path) == 1
+    assert probes == [512]
+    memo = tmp_path / "xdg" / "skippy-llama" / "split-verdicts.json"
+    assert list(json.loads(memo.read_text()).values()) == [True]
+
+
+@pytest.mark.parametrize("damage", ["not a boolean", "not json", "not an object"])
+def test_a_damaged_verdict_memo_means_a_new_probe(
+    smollm2_path: Path, probes: list[int], tmp_path: Path, damage: str
+) -> None:
+    assert _granule(smollm2_path) == 1
+    memo = tmp_path / "xdg" / "skippy-llama" / "split-verdicts.json"
+    key = next(iter(json.loads(memo.read_text())))
+    damaged = {
+        "not a boolean": json.dumps({key: "yes"}),
+        "not json": "{tru",
+        "not an object": "[1]",
+    }
+    memo.write_text(damaged[damage])
+    split_verdicts._verdicts.clear()
+    assert _granule(smollm2_path) == 1
+    assert probes == [512, 512]
 
 
 def test_a_blas_build_reuses_only_canonical_batches(
