@@ -6,7 +6,9 @@ every request and the L3 status of this process (after its queued writes were fl
 
 SPEC keys: ``model`` (path), ``prompts`` (list of str), ``max_tokens`` (int), ``n_ctx`` (int),
 ``llama`` (extra ``Llama`` keyword arguments), ``start_at`` (unix time to wait for after loading,
-so that several workers prefill at once).
+so that several workers prefill at once), ``restores_always_pay`` (L1/L2/L3 restores go ahead
+whatever the measured costs say, as the ``restores_always_pay`` fixture does), ``gpu_like`` (a GPU
+build's granule and record deferral, as ``SKIPPY_TEST_GPU_LIKE=1`` in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,24 @@ from typing import Any
 
 
 def main(spec: dict[str, Any]) -> None:
+    from skippy_llama.runtime import llama as runtime
     from skippy_llama.runtime.llama import SkippyLlama
+
+    if spec.get("restores_always_pay"):
+        from skippy_llama.cache import PrefixCache
+        from skippy_llama.tiers.resident_costs import ResidentCosts
+
+        PrefixCache._restore_pays = lambda self, *a, **k: True  # type: ignore[method-assign]
+        ResidentCosts.restore_pays = lambda self, saved_tokens: True  # type: ignore[method-assign]
+    if spec.get("gpu_like"):
+        SkippyLlama._canonical_granule = lambda self: int(self.context_params.n_ubatch)  # type: ignore[method-assign]
 
     # no cache_settings: SKIPPY_* environment variables must be enough to turn L3 on
     llm = SkippyLlama(
         spec["model"], n_ctx=spec.get("n_ctx", 2048), verbose=False, **spec.get("llama", {})
     )
+    if spec.get("gpu_like"):
+        llm.defer_record_tokens = runtime.DEFER_RECORD_TOKENS
     disk = llm.prefix_cache.disk
     out: dict[str, Any] = {
         "pid": os.getpid(),

@@ -96,6 +96,7 @@ def start(
         "prompts": prompts,
         "n_ctx": N_CTX,
         "max_tokens": MAX_TOKENS,
+        "gpu_like": os.environ.get("SKIPPY_TEST_GPU_LIKE") == "1",  # see tests/conftest.py
         **spec,
     }
     return spawn_worker(WORKER, spec, env)
@@ -242,14 +243,16 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     written = golden["status"]["process_activity"]
     assert written["writes"] > 0 and written["dropped_writes"] == 0
 
-    b = run_worker(smollm2_path, l3_env(store), PROMPTS)
+    # restores forced: a GPU build's cost model serves P2 cold (its prefill beats the restore)
+    b = run_worker(smollm2_path, l3_env(store), PROMPTS, restores_always_pay=True)
 
     assert b["outputs"] == reference[:3]
     assert b["events"][0]["tier"] == "l3"
     assert {e["tier"] for e in b["events"][1:]} <= later_tiers(b, "l3")
     cached = sum(e["cached_tokens"] for e in b["events"])
-    prompt = sum(e["prompt_tokens"] for e in b["events"])
-    assert cached / prompt >= 0.9, (cached, prompt)
+    # what a repeat can reuse: all but the two decoded tokens, down to a granule boundary
+    reusable = sum(repeat_point(b, i) for i in range(len(PROMPTS)))
+    assert cached / reusable >= 0.9, (cached, reusable)
     assert all(not e["fallbacks"] for e in b["events"])
     assert all(e["restored_bytes"] > 0 for e in b["events"] if e["tier"] == "l3")
     mine = b["status"]["process_activity"]
@@ -288,6 +291,7 @@ def test_records_cut_after_later_requests_captured_restore_exact_outputs(
     directory = tmp_path / "l3"
     settings = l3_settings(directory, l1={"enabled": False})
     llm = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
+    llm.defer_record_tokens = 0  # every request records now (GPU builds let P1's record wait)
     disk = llm.prefix_cache.disk
     assert disk is not None
     gate = threading.Event()
@@ -295,7 +299,11 @@ def test_records_cut_after_later_requests_captured_restore_exact_outputs(
     disk._writer._write = lambda rec: (gate.wait(120), real_write(rec))  # type: ignore[method-assign]
     try:
         outputs = [complete(llm, prompt) for prompt in [*PROMPTS, UNRELATED]]
-        assert llm.prefix_cache.counters.records >= 3  # all queued before any was cut
+        counters = llm.prefix_cache.counters
+        # all queued before any was cut; where reuse ends on n_ubatch boundaries, P1's reusable
+        # prefix may end inside the document P0 recorded, so P1 has nothing new (records_skipped)
+        assert counters.records >= (3 if llm.granule == 1 else 2), counters
+        assert counters.records + counters.records_skipped >= 3, counters
         gate.set()
         assert disk.flush(120)
         assert disk.status().process_activity.writes > 0
@@ -535,8 +543,9 @@ def test_identity_changes_miss_in_l3(
 
 
 def test_l2_mirrors_pages_after_the_second_fill(
-    smollm2_path: Path, store: Path, reference: list[str]
+    smollm2_path: Path, store: Path, reference: list[str], restores_always_pay: None
 ) -> None:
+    # restores forced: a GPU build's cost model may serve the repeats cold instead
     settings = l3_settings(store, l1={"enabled": False}, l2={"budget": "256MiB"})
     llm = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
     try:
@@ -567,8 +576,13 @@ def test_l2_mirrors_pages_after_the_second_fill(
 
 
 def test_truncated_and_deleted_page_files_fail_open(
-    smollm2_path: Path, golden: dict[str, Any], store: Path, reference: list[str]
+    smollm2_path: Path,
+    golden: dict[str, Any],
+    store: Path,
+    reference: list[str],
+    restores_always_pay: None,
 ) -> None:
+    # restores forced: a GPU build's cost model may decline a restore, then no damaged page is read
     settings = l3_settings(store, l1={"enabled": False})
     llm = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
     try:
@@ -589,11 +603,7 @@ def test_truncated_and_deleted_page_files_fail_open(
         truncated = llm.last_cache_event
         assert truncated is not None
         intact = sum(page[1] for page in pages[:-1])
-        if llm.prefix_cache.counters.restores_skipped:
-            # a GPU's cost model declined the shorter restore (it lost to a prefill there)
-            assert llm.granule > 1 and truncated.tier == "cold"
-        else:
-            assert truncated.tier == "l3" and truncated.cached_tokens == aligned(llm, intact)
+        assert truncated.tier == "l3" and truncated.cached_tokens == aligned(llm, intact)
         assert disk.status().process_activity.corrupt_entries == 1
         complete(llm, UNRELATED)
 
