@@ -65,9 +65,10 @@ WORKING_SEQ = 0
 DECODED_SUFFIX = 2
 #: The split probe (see ``SkippyLlama._split_invariant``): a prompt of this many tokens, decoded
 #: whole and then split after each of these many tokens (parts of every residue class that
-#: grouped kernels treat apart: Gemma 3 Q4_K_M differs at each of them, SmolLM2 Q4_1 at none).
+#: grouped kernels treat apart, and the two-token tail a prompt's suffix can be: Gemma 3 Q4_K_M
+#: differs at each of them, SmolLM2 Q4_1 at none).
 SPLIT_PROBE_TOKENS = 16
-SPLIT_PROBE_AT = (1, 3, 6, 11, 13)
+SPLIT_PROBE_AT = (1, 3, 6, 11, 13, 14)
 #: The context fields that choose llama.cpp's kernels, part of a probe verdict's key.
 _KERNEL_FIELDS = (
     "n_ctx",
@@ -295,8 +296,8 @@ class SkippyLlama(llama_cpp.Llama):
         logits at 54 of 70 splits, by up to 1.46 (``benchmarks/probe_split.py``), and an L1 hit
         reused at such a point answered differently from a cold prompt. A short prompt decoded
         whole, then split at several points, decides: any difference and reuse ends on
-        ``n_ubatch`` boundaries, as on GPU builds. Costs eleven decodes of 16 tokens or fewer
-        (0.4 s for SmolLM2 on two cores) the first time a model is loaded with given kernel
+        ``n_ubatch`` boundaries, as on GPU builds. Costs thirteen decodes of 16 tokens or fewer
+        (0.45 s for SmolLM2 on two cores) the first time a model is loaded with given kernel
         settings on a build and CPU; later loads reuse the verdict (``split_verdicts``).
         """
         if self.cache_disabled_reason is not None or self.n_ctx() <= SPLIT_PROBE_TOKENS:
