@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import llama_cpp
 import numpy as np
+from llama_cpp import llama_chat_format
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
@@ -63,3 +64,60 @@ class CountingLlama(llama_cpp.Llama):
             self.prefilled.append(len(tokens))
             self._first_eval = False
         super().eval(tokens)
+
+
+#: Filler words, about one token each, that pad a prompt a token or two at a time.
+_FILLER = [
+    "so",
+    "then",
+    "he",
+    "went",
+    "up",
+    "the",
+    "stairs",
+    "once",
+    "more",
+    "and",
+    "looked",
+    "out",
+    "at",
+    "the",
+    "sea",
+]
+
+
+def short_of_a_boundary(
+    llm: llama_cpp.Llama, build: Callable[[str], Any], granule: int, room: int
+) -> Any:
+    """``build(filler)`` for the shortest filler whose prompt ends at most ``room`` tokens
+    before a multiple of ``granule``, so that a reply of more than ``room`` tokens crosses a
+    canonical batch boundary (where reuse ends on them, a reply inside one granule is never
+    repaired). ``build`` returns a prompt string or a list of chat messages; with a granule of
+    1 the filler is empty."""
+    filler: list[str] = []
+    for _ in range(2 * granule + len(_FILLER)):
+        built = build(" ".join(filler))
+        n = prompt_tokens(llm, built)
+        if granule - n % granule <= room:
+            return built
+        filler.append(_FILLER[len(filler) % len(_FILLER)])
+    raise AssertionError(f"no filler brings the prompt within {room} tokens of a boundary")
+
+
+def prompt_tokens(llm: llama_cpp.Llama, prompt: str | list[dict[str, str]]) -> int:
+    """Tokens ``llm`` prefills for a completion prompt, or for chat messages rendered by the
+    model's own template as ``create_chat_completion`` renders them (with the assistant's turn)."""
+    if isinstance(prompt, str):
+        return len(llm.tokenize(prompt.encode()))
+    template = llm.metadata["tokenizer.chat_template"]
+    model = llm._model
+    eos, bos = llm.token_eos(), llm.token_bos()
+    rendered = llama_chat_format.Jinja2ChatFormatter(
+        template=template,
+        eos_token=model.token_get_text(eos) if eos != -1 else "",
+        bos_token=model.token_get_text(bos) if bos != -1 else "",
+        stop_token_ids=[eos],
+    )(messages=prompt)
+    return len(
+        llm.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True)
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 import llama_cpp
 import pytest
-from modelhelpers import TEXT, aligned
+from modelhelpers import TEXT, aligned, short_of_a_boundary
 
 from skippy_llama.config import Settings
 from skippy_llama.runtime import llama as runtime
@@ -325,11 +325,18 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
         out = []
         for content in ("Tell me about tides.", "How is bread made?", "Why two tides a day?"):
             # a long shared system prompt: every chat leaves an exact part to checkpoint
-            # and user messages long enough to leave it past a canonical batch boundary
-            messages = [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": content + " Please explain it in detail." * 12},
-            ]
+            # and user messages long enough to leave it past a canonical batch boundary; the
+            # prompt ends at most 4 tokens short of an n_ubatch boundary (the same prompts on
+            # every model here), so that the 8-token reply crosses one and is repaired where
+            # reuse ends on such boundaries (a reply inside one granule is not repaired)
+            def chat(filler: str, content: str = content) -> list[dict[str, str]]:
+                user = content + " Please explain it in detail." * 12 + (filler and " " + filler)
+                return [
+                    {"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": user},
+                ]
+
+            messages = short_of_a_boundary(llm, chat, int(llm.context_params.n_ubatch), room=4)
             reply = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
             out.append(reply["choices"][0]["message"]["content"])
         return out
