@@ -137,8 +137,12 @@ def test_skippy_trace_env_records_a_run_that_simulate_replays(
     trace = tmp_path / "run.jsonl"
     doc = "The lighthouse keeper climbed the spiral stairs every evening at dusk. " * 12
     prompts = tmp_path / "prompts.jsonl"
+    # questions of ~80 tokens: past a granule of n_ubatch 64 (GPU runs), each prompt's reusable
+    # prefix reaches beyond the shared document, so the next prompt does not continue the last
+    # record, which therefore cannot wait (defer_record_tokens) and is traced with its request
+    questions = {q: f"Question {q}. " + f"Answer {q} " * 40 for q in "AB"}
     prompts.write_text(
-        "".join(json.dumps({"prompt": doc + q, "max_tokens": 2}) + "\n" for q in "ABAB")
+        "".join(json.dumps({"prompt": doc + questions[q], "max_tokens": 2}) + "\n" for q in "ABAB")
     )
     done = cli(
         "run",
