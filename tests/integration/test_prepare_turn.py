@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from modelhelpers import TEXT, aligned, cold_logits, last_logits
+from modelhelpers import TEXT, aligned, cold_logits, last_logits, short_of_a_boundary
 
 from skippy_llama.config import Settings
 from skippy_llama.events import CacheEvent
@@ -112,10 +112,17 @@ def test_a_prepared_chat_turn_also_reuses_the_templates_head(smollm2_path: Path)
         assert [llm._model.token_get_text(t) for t in head] == [
             "<|im_end|>", "Ċ", "<|im_start|>", "user", "Ċ"
         ]  # fmt: skip
-        history = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": QUESTIONS[0][0]},
-        ]
+        # the 12-token reply must cross a canonical boundary to be prepared (where the granule
+        # is above 1, a reply inside one granule makes no cell exact: nothing is decoded)
+        history = short_of_a_boundary(
+            llm,
+            lambda filler: [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": (filler and filler + " ") + QUESTIONS[0][0]},
+            ],
+            llm.granule,
+            room=6,
+        )
         reply = llm.create_chat_completion(messages=history, max_tokens=12, temperature=0)
         live = llm.n_tokens  # the prompt and the reply's evaluated tokens
         prepared = llm.prepare_next_turn()
