@@ -25,7 +25,7 @@ MAX_HEAD_TOKENS = 32
 _USER, _REPLY, _NEXT = "Hello there.", "Fine, thanks.", "What next?"
 
 
-def _formatter(llm: llama_cpp.Llama) -> llama_chat_format.Jinja2ChatFormatter | None:
+def chat_formatter(llm: llama_cpp.Llama) -> llama_chat_format.Jinja2ChatFormatter | None:
     """The formatter of the GGUF template ``create_chat_completion`` uses, or None (a custom
     handler or a registered format: their rendering is not reproduced here)."""
     name = llm.chat_format
@@ -48,7 +48,7 @@ def _formatter(llm: llama_cpp.Llama) -> llama_chat_format.Jinja2ChatFormatter | 
 def template_head(llm: llama_cpp.Llama) -> list[int]:
     """The head's tokens for ``llm``'s chat template; empty where it cannot be found safely."""
     try:
-        fmt = _formatter(llm)
+        fmt = chat_formatter(llm)
         if fmt is None:
             return []
         first = fmt(messages=[{"role": "user", "content": _USER}])

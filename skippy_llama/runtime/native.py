@@ -149,13 +149,9 @@ def backend_name() -> str:
     """
     if not llama_cpp.llama_supports_gpu_offload():
         return "CPU"
-    lib = ggml()
-    if lib is not None:
-        for i in range(int(lib.ggml_backend_reg_count())):
-            reg = lib.ggml_backend_reg_get(i)
-            name = str(lib.ggml_backend_reg_name(reg).decode("utf-8", "replace"))
-            if name not in ("CPU", "BLAS", "RPC") and lib.ggml_backend_reg_dev_count(reg) > 0:
-                return name
+    for name, devices in _registry():
+        if name not in ("CPU", "BLAS", "RPC") and devices > 0:
+            return name
     info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
     for name in _GPU_BACKENDS:
         if f"{name} :" in info or f"{name}:" in info:
@@ -163,15 +159,24 @@ def backend_name() -> str:
     return "GPU"
 
 
-def registered_backends() -> list[str]:
-    """Names in ggml's backend registry (``CPU``, ``BLAS``, ``CUDA`` …); empty if unknown."""
+def _registry() -> list[tuple[str, int]]:
+    """(name, device count) of each backend in ggml's registry; empty if ggml is not found."""
     lib = ggml()
     if lib is None:
         return []
+    regs = [lib.ggml_backend_reg_get(i) for i in range(int(lib.ggml_backend_reg_count()))]
     return [
-        str(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode("utf-8", "replace"))
-        for i in range(int(lib.ggml_backend_reg_count()))
+        (
+            str(lib.ggml_backend_reg_name(reg).decode("utf-8", "replace")),
+            int(lib.ggml_backend_reg_dev_count(reg)),
+        )
+        for reg in regs
     ]
+
+
+def registered_backends() -> list[str]:
+    """Names in ggml's backend registry (``CPU``, ``BLAS``, ``CUDA`` …); empty if unknown."""
+    return [name for name, _ in _registry()]
 
 
 def device_names() -> list[str]:

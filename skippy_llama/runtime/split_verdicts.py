@@ -13,6 +13,7 @@ the model probed again.
 
 from __future__ import annotations
 
+import functools
 import platform
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,7 @@ def _memo_path() -> Path:
     return user_cache_dir() / "split-verdicts.json"
 
 
+@functools.cache  # the CPU and the loaded library do not change within a process
 def _cpu() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -38,6 +40,7 @@ def _cpu() -> str:
     return "\n".join(sorted({line for line in text.splitlines() if line.startswith(keys)}))
 
 
+@functools.cache
 def _build() -> str:
     lib = Path(llama_cpp.__file__).parent / "lib"
     files = sorted(p for p in lib.iterdir() if p.is_file()) if lib.is_dir() else []

@@ -7,7 +7,8 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
-from llama_cpp import llama_chat_format
+
+from skippy_llama.runtime.chat_head import chat_formatter
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
@@ -109,15 +110,9 @@ def prompt_tokens(llm: llama_cpp.Llama, prompt: str | list[dict[str, str]]) -> i
     model's own template as ``create_chat_completion`` renders them (with the assistant's turn)."""
     if isinstance(prompt, str):
         return len(llm.tokenize(prompt.encode()))
-    template = llm.metadata["tokenizer.chat_template"]
-    model = llm._model
-    eos, bos = llm.token_eos(), llm.token_bos()
-    rendered = llama_chat_format.Jinja2ChatFormatter(
-        template=template,
-        eos_token=model.token_get_text(eos) if eos != -1 else "",
-        bos_token=model.token_get_text(bos) if bos != -1 else "",
-        stop_token_ids=[eos],
-    )(messages=prompt)
+    formatter = chat_formatter(llm)
+    assert formatter is not None, "the model has no GGUF chat template"
+    rendered = formatter(messages=prompt)
     return len(
         llm.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True)
     )
