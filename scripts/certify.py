@@ -18,6 +18,9 @@ content digest the row records; a row lists only the lanes that passed:
   l1_stream_copy_exact a resident prefix kept as a device checkpoint and copied back (the L1 path)
                        gives bit-identical logits; cut shorter too, except for sliding-window
                        models, whose checkpoints the runtime serves only at full length
+  lone_decode_exact    the last tokens decoded one at a time, as a reply is generated, give
+                       bit-identical logits (patch 0004; the runtime probes this at load on the
+                       user's CPU, so the lane records what the patch gives, it gates nothing)
 
 Models: SmolLM2-135M (llama) and Gemma 3 270M (gemma3, sliding-window attention, run past its
 512-token window). A lane that fails is recorded with its reason under the row's "failed".
@@ -307,6 +310,19 @@ def lane_l1_copy(run: Run) -> Outcome:
         warm.close()
 
 
+def lane_lone_decode(run: Run) -> Outcome:
+    """Patch 0004: tokens decoded one at a time (a reply) leave a cold prefill's cells."""
+    _, b, c = run.split
+    warm = run.warm()
+    try:
+        warm.eval(run.tokens[:b])
+        for token in run.tokens[b:c]:
+            warm.eval([token])
+        return _exact(_logits(warm), run)
+    finally:
+        warm.close()
+
+
 def lane_restart(run: Run) -> Outcome:
     if run.full is None:
         return run.paging_refusal()
@@ -348,6 +364,7 @@ LANES: dict[str, Callable[[Run], Outcome]] = {
     "range_export_slice": lane_range_export,
     "append_import_exact": lane_append_import,
     "restart_exact": lane_restart,
+    "lone_decode_exact": lane_lone_decode,
 }
 
 

@@ -40,8 +40,10 @@ LANES = (
     "range_export_slice",
     "append_import_exact",
     "restart_exact",
+    "lone_decode_exact",
 )
-"""Certification lanes; ``range_export_slice`` gates range capture, ``append_import_exact`` append."""
+"""Certification lanes; ``range_export_slice`` gates range capture, ``append_import_exact`` append;
+``lone_decode_exact`` records what patch 0004 gives (the runtime probes it at load)."""
 
 VerdictKind = Literal["certified", "stock", "uncertified", "uncertified_override"]
 

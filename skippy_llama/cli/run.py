@@ -187,7 +187,12 @@ def render(report: RunReport, baseline: bool) -> str:
         lines.append(
             f"L1: {l1['max_prefixes']} resident prefixes, {l1['budget_tokens']} tokens "
             f"({l1['budget_bytes'] / 2**20:.0f} MiB beside a {report.cache['context_kv_bytes'] / 2**20:.0f} MiB context); "
-            f"reuse granule {report.cache['granule']}"
+            f"reuse granule {report.cache['granule']}; replies "
+            + (
+                "reused as generated"
+                if report.cache.get("lone_decodes_exact")
+                else "re-decoded for exactness"
+            )
         )
         lines.append(f"native: {native['reason']}")
     lines.append("")

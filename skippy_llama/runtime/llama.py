@@ -7,7 +7,8 @@ a sequence's K/V tensors held by the context (VRAM on GPU builds), sized to the 
 KV memory is at most the context plus the resident budget. Before a prompt is prefilled, the
 longest cached prefix (the live sequence, a checkpoint, else L2/L3 pages) is put into sequence 0
 and only the suffix is decoded. Only the part of the sequence decoded in batches (as a cold
-prefill would have) is reused or recorded: a lone generated token never is.
+prefill would have) is reused or recorded: a lone generated token only where the load-time
+probe found lone decodes bit-identical to batched ones (``lone_decodes_exact``).
 
 Nothing is done per turn that a linear chat does not need: the live sequence is checkpointed
 only when a prompt is about to leave it, and an L3 record captures only the tokens L3 lacks.
@@ -20,7 +21,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,10 +60,14 @@ from .timing import on_tokens
 log = logging.getLogger("skippy_llama")
 
 WORKING_SEQ = 0
-#: Prompt tokens always decoded, never restored. llama.cpp decodes a lone token with other
+#: Prompt tokens always decoded, never restored. Stock llama.cpp decodes a lone token with other
 #: kernels than a batch, and its logits then differ from a cold prefill's (measured: up to 0.66
 #: on SmolLM2); two or more tokens decode bit-identically.
 DECODED_SUFFIX = 2
+#: The lone-decode probe (see ``SkippyLlama._lone_decodes_exact``): this many tokens decoded one
+#: at a time after the split probe's prompt (stock SmolLM2 Q4_1 on AVX-512 gives the same
+#: logits for a lone 16th token, but not for a lone 17th to 24th).
+LONE_PROBE_TOKENS = 8
 #: The split probe (see ``SkippyLlama._split_invariant``): a prompt of this many tokens, decoded
 #: whole and then split after each of these many tokens (parts of every residue class that
 #: grouped kernels treat apart, and the two-token tail a prompt's suffix can be: Gemma 3 Q4_K_M
@@ -201,6 +206,9 @@ class SkippyLlama(llama_cpp.Llama):
             arch = str(self.metadata.get("general.architecture", "unknown"))
             self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
         self.granule = self._canonical_granule()
+        #: Whether a token decoded alone leaves the cells and logits a batched prefill gives it
+        #: (probed at load): then a reply is reusable as generated, and nothing is repaired.
+        self.lone_decodes_exact = self.granule == 1 and self._lone_decodes_exact()
         #: A record of the working sequence waits while the sequence only grew from the last
         #: record made and fewer than this many tokens are unrecorded (0: never waits). On a GPU
         #: build a capture pays one synchronized device copy per layer and K/V however few
@@ -302,15 +310,55 @@ class SkippyLlama(llama_cpp.Llama):
         """
         if self.cache_disabled_reason is not None or self.n_ctx() <= SPLIT_PROBE_TOKENS:
             return False
+        return self._kept_verdict("split", self._probe_split)
+
+    def _lone_decodes_exact(self) -> bool:
+        """Whether tokens decoded one at a time (a reply being generated) leave the same cells
+        and logits as the same tokens in a batched prefill (asked where any batch split is).
+
+        Stock ggml-cpu hands products of one column to ``vec_dot``, which sums in another order
+        than the sgemm kernels batches take, so a reply's cells differ from a cold prefill's
+        and must be decoded again as a batch before a next turn reuses them (``_repair``, or
+        the next prefill): exactness's whole cost in a linear chat. The native patch 0004 sends
+        single columns through sgemm too, and this probe then finds them equal, so replies are
+        reused as generated. Decodes the split probe's prompt whole, then all but its last
+        ``LONE_PROBE_TOKENS`` tokens followed by those one at a time, and compares the
+        sequence's state bytes (every cell) and the last logits. Kept like the split verdict.
+        """
+        if self.n_ctx() <= SPLIT_PROBE_TOKENS + LONE_PROBE_TOKENS:
+            return False
+        return self._kept_verdict("lone", self._probe_lone)
+
+    def _kept_verdict(self, probe: str, run: Callable[[], bool]) -> bool:
+        """``probe``'s verdict for this model, build, CPU and kernel settings: kept, else run."""
         p = self.context_params
-        key = split_verdicts.verdict_key(
-            self.model_path, (f"{f}={int(getattr(p, f))}" for f in _KERNEL_FIELDS)
-        )
+        settings = (probe, *(f"{f}={int(getattr(p, f))}" for f in _KERNEL_FIELDS))
+        key = split_verdicts.verdict_key(self.model_path, settings)
         verdict = split_verdicts.lookup(key)
         if verdict is None:
-            verdict = self._probe_split()
+            verdict = run()
             split_verdicts.remember(key, verdict)
         return verdict
+
+    def _probe_lone(self) -> bool:
+        vocab = self.n_vocab()
+        n = SPLIT_PROBE_TOKENS + LONE_PROBE_TOKENS
+        tokens = [(7919 * i + 101) % vocab for i in range(n)]
+
+        def decoded(batched: int) -> tuple[bytes, np.ndarray[Any, Any]]:
+            self._drop_working()
+            llama_cpp.Llama.eval(self, tokens[:batched])  # plain decodes: no cache involved
+            for token in tokens[batched:]:
+                llama_cpp.Llama.eval(self, [token])
+            cells = bytes(native.get_seq_state(self.ctx, WORKING_SEQ))
+            return cells, native.last_logits(self.ctx, vocab)
+
+        try:
+            cells, logits = decoded(n)
+            lone_cells, lone_logits = decoded(SPLIT_PROBE_TOKENS)
+            return cells == lone_cells and np.array_equal(logits, lone_logits)
+        finally:
+            self._drop_working()
 
     def _probe_split(self) -> bool:
         vocab = self.n_vocab()
@@ -571,7 +619,7 @@ class SkippyLlama(llama_cpp.Llama):
         mode = self.cache_settings.l1.repair_generated
         repair = mode == "always" or (mode == "auto" and self._reply_repairable)
         if repair and exact == self._aligned(self._reply_start) and self._gains_boundary(exact):
-            event.repaired_tokens = self._repair()
+            event.repaired_tokens = self._repair(self._aligned(self._reply_start))
             exact = self._exact
         self._park(exact)
 
@@ -588,14 +636,15 @@ class SkippyLlama(llama_cpp.Llama):
         """``Llama.eval`` without the cache, tracking which cells are exact.
 
         A batch of two or more tokens right after the exact part extends it; a lone token (a
-        generated one) takes other kernels, so the exact part stops before it.
+        generated one) takes other kernels, so the exact part stops before it, unless the
+        build decodes lone tokens exactly (``lone_decodes_exact``).
         """
         before = self.n_tokens
         exact = self._exact_tokens()
         super().eval(tokens)
         if before <= self._scored:
             self._scored = self.n_tokens
-        batched = len(tokens) >= 2 and exact == before
+        batched = (len(tokens) >= 2 or self.lone_decodes_exact) and exact == before
         self._exact = self._aligned(self.n_tokens) if batched else exact
 
     def _load_pages(
@@ -848,15 +897,15 @@ class SkippyLlama(llama_cpp.Llama):
             cache.disk.close()
         super().close()
 
-    def _repair(self, ahead: Sequence[int] = ()) -> int:
-        """Re-decode the last reply as one batch so its cells equal a cold prefill's, and decode
-        ``ahead`` (tokens predicted to follow it) in the same batch.
+    def _repair(self, start: int, ahead: Sequence[int] = ()) -> int:
+        """Re-decode the working sequence from ``start`` (the last reply's canonical boundary)
+        as one batch so its cells equal a cold prefill's, and decode ``ahead`` (tokens predicted
+        to follow it) in the same batch.
 
         Tokens decoded one at a time take llama.cpp's single-row kernels, whose results differ
         in the low bits from the batched prefill a cold prompt would get; keeping them as they
         are would make a later turn's output depend on the cache. Returns the tokens decoded.
         """
-        start = self._aligned(self._reply_start)
         tokens = [*self.input_ids[start : self.n_tokens].tolist(), *ahead]
         native.seq_rm(self.ctx, WORKING_SEQ, start, -1)
         self.n_tokens = start
@@ -875,7 +924,9 @@ class SkippyLlama(llama_cpp.Llama):
         reply as one batch, on the same canonical boundaries a cold prefill uses, so the next
         turn reuses it and prefills only its new tokens. After a chat reply the batch also
         holds the tokens the chat template puts before the next user message (``chat_head.py``),
-        which the next prompt then reuses too. Outputs do not change: the cells are those a
+        which the next prompt then reuses too. Where lone decodes are exact
+        (``lone_decodes_exact``) the reply is reusable as generated, and only that head (with
+        the reply's last sampled token) is decoded. Outputs do not change: the cells are those a
         cold prefill computes, and a next prompt that does not continue that way keeps only
         what matches. Like every ``Llama`` method it must not run concurrently
         with another call on the same object.
@@ -895,16 +946,24 @@ class SkippyLlama(llama_cpp.Llama):
             return 0
         self._record_deferred()  # idle time: the capture costs no request anything
         exact = self._live_exact()
+        ahead = self._predicted_continuation() if self._reply_repairable else []
+        if self.lone_decodes_exact and exact == self.n_tokens > self._reply_start:
+            # the reply is exact as generated: only what is predicted to follow it is left
+            start = exact
+            self._last_sampled = None  # decoded now: a second call predicts nothing more
+            if not ahead:
+                return 0
         # one token alone cannot be decoded as a batch: the next prefill takes it along
-        if (
+        elif (
             exact != self._aligned(self._reply_start)
             or not self._gains_boundary(exact)
             or self.n_tokens - exact < 2
         ):
             return 0
-        ahead = self._predicted_continuation() if self._reply_repairable else []
+        else:
+            start = self._aligned(self._reply_start)
         repaired: list[int] = []
-        if not self._guard("prepare", None, lambda: repaired.append(self._repair(ahead))):
+        if not self._guard("prepare", None, lambda: repaired.append(self._repair(start, ahead))):
             self._drop_working()  # a half-repaired reply is neither the old cells nor exact
             return 0
         counters = self.prefix_cache.counters
@@ -1041,6 +1100,7 @@ class SkippyLlama(llama_cpp.Llama):
             "disabled_reason": self.cache_disabled_reason,
             "n_ctx": self.n_ctx(),
             "granule": self.granule,
+            "lone_decodes_exact": self.lone_decodes_exact,
             "native": self.native_verdict.to_json(),
             "kv_bytes_per_token": per_token,
             "context_kv_bytes": per_token * self.n_ctx(),

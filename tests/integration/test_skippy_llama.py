@@ -92,8 +92,11 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     # leaves their chat, so the chat's next turn extends them; interleaving makes every request
     # after the first leave the previous chat (where batches are split canonically, only the
     # cells up to the previous prompt's last granule boundary are kept, and a prompt shorter
-    # than one granule keeps none: nothing to repair then)
-    if skippy.granule == 1:
+    # than one granule keeps none: nothing to repair then; where lone decodes are exact, a
+    # reply's cells already are what a cold prefill computes: nothing to repair either)
+    if skippy.lone_decodes_exact:
+        assert all(e.repaired_tokens == 0 for e in events)
+    elif skippy.granule == 1:
         assert all(e.repaired_tokens > 0 for e in events[1:])
     else:
         assert any(e.repaired_tokens > 0 for e in events[1:])
@@ -129,9 +132,10 @@ def test_a_continued_completion_matches_plain_llama_with_or_without_repair(
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert first is not None and second is not None and second.tier == "l1"
     # a prompt that extends the reply decodes the reply within its own prefill (one batch, as a
-    # cold prefill would): nothing is repaired in either mode
+    # cold prefill would), or reuses it where lone decodes are exact: nothing is repaired
     assert first.repaired_tokens == second.repaired_tokens == 0
-    assert aligned(skippy, n_prompt - 1) <= second.cached_tokens <= n_prompt
+    n_reply = reply["usage"]["completion_tokens"] if skippy.lone_decodes_exact else 0
+    assert aligned(skippy, n_prompt - 1) <= second.cached_tokens <= n_prompt + n_reply
 
 
 def test_a_reply_left_for_another_prompt_is_repaired_and_reused(smollm2_path: Path) -> None:
@@ -168,8 +172,12 @@ def test_a_reply_left_for_another_prompt_is_repaired_and_reused(smollm2_path: Pa
         plain.close()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert other is not None and back is not None
-    # the repair starts at the granule boundary at or before the reply
-    assert 0 < other.repaired_tokens <= n_generated + skippy.granule
+    # the repair starts at the granule boundary at or before the reply (none is needed where
+    # lone decodes are exact: the reply is parked as generated)
+    if skippy.lone_decodes_exact:
+        assert other.repaired_tokens == 0
+    else:
+        assert 0 < other.repaired_tokens <= n_generated + skippy.granule
     assert back.tier == "l1"
     assert back.cached_tokens >= aligned(skippy, n_prompt + n_generated - 3)
 

@@ -80,12 +80,15 @@ def test_the_verdict_is_probed_once_per_model_and_kernel_settings(
 def test_a_new_process_reuses_the_verdict_kept_on_disk(
     smollm2_path: Path, probes: list[int], tmp_path: Path
 ) -> None:
-    assert _granule(smollm2_path) == 1
+    llm = SkippyLlama(str(smollm2_path), cache_settings=Settings(), **KWARGS)
+    lone = llm.lone_decodes_exact
+    llm.close()
     split_verdicts._verdicts.clear()  # what a new process starts with
     assert _granule(smollm2_path) == 1
     assert probes == [512]
     memo = tmp_path / "xdg" / "skippy-llama" / "split-verdicts.json"
-    assert list(json.loads(memo.read_text()).values()) == [True]
+    # the split verdict, then the lone-decode one (each under its own key)
+    assert list(json.loads(memo.read_text()).values()) == [True, lone]
 
 
 @pytest.mark.parametrize("damage", ["not a boolean", "not json", "not an object"])
