@@ -344,7 +344,10 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
     monkeypatch.setattr(runtime.SkippyLlama, "_repair", _raise(ValueError("repair failed")))
     want, got, skippy = _both(smollm2_path, script)
     assert got == want
-    assert any(r.startswith("park") for r in skippy.prefix_cache.counters.fallbacks)
+    if skippy.lone_decodes_exact:  # replies are exact as generated: no repair to fail
+        assert skippy.prefix_cache.counters.fallbacks == {}
+    else:
+        assert any(r.startswith("park") for r in skippy.prefix_cache.counters.fallbacks)
 
 
 # -- memory --------------------------------------------------------------------------------
