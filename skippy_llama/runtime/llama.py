@@ -946,13 +946,8 @@ class SkippyLlama(llama_cpp.Llama):
             return 0
         self._record_deferred()  # idle time: the capture costs no request anything
         exact = self._live_exact()
-        ahead = self._predicted_continuation() if self._reply_repairable else []
         if self.lone_decodes_exact and exact == self.n_tokens > self._reply_start:
-            # the reply is exact as generated: only what is predicted to follow it is left
-            start = exact
-            self._last_sampled = None  # decoded now: a second call predicts nothing more
-            if not ahead:
-                return 0
+            start = exact  # the reply is exact as generated: only what follows it is left
         # one token alone cannot be decoded as a batch: the next prefill takes it along
         elif (
             exact != self._aligned(self._reply_start)
@@ -962,6 +957,11 @@ class SkippyLlama(llama_cpp.Llama):
             return 0
         else:
             start = self._aligned(self._reply_start)
+        ahead = self._predicted_continuation() if self._reply_repairable else []
+        if start == self.n_tokens:
+            self._last_sampled = None  # decoded now: a second call predicts nothing more
+            if not ahead:
+                return 0
         repaired: list[int] = []
         if not self._guard("prepare", None, lambda: repaired.append(self._repair(start, ahead))):
             self._drop_working()  # a half-repaired reply is neither the old cells nor exact
