@@ -340,10 +340,14 @@ class SkippyLlama(llama_cpp.Llama):
             split_verdicts.remember(key, verdict)
         return verdict
 
+    def _probe_tokens(self, n: int) -> list[int]:
+        """The load-time probes' prompt: ``n`` fixed tokens spread over the vocabulary."""
+        return [(7919 * i + 101) % self.n_vocab() for i in range(n)]
+
     def _probe_lone(self) -> bool:
         vocab = self.n_vocab()
         n = SPLIT_PROBE_TOKENS + LONE_PROBE_TOKENS
-        tokens = [(7919 * i + 101) % vocab for i in range(n)]
+        tokens = self._probe_tokens(n)
 
         def decoded(batched: int) -> tuple[bytes, np.ndarray[Any, Any]]:
             self._drop_working()
@@ -362,7 +366,7 @@ class SkippyLlama(llama_cpp.Llama):
 
     def _probe_split(self) -> bool:
         vocab = self.n_vocab()
-        tokens = [(7919 * i + 101) % vocab for i in range(SPLIT_PROBE_TOKENS)]
+        tokens = self._probe_tokens(SPLIT_PROBE_TOKENS)
 
         def last_logits(split: int) -> np.ndarray[Any, Any]:
             self._drop_working()

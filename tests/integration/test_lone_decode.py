@@ -22,6 +22,7 @@ from modelhelpers import TEXT, aligned, cold_logits, last_logits
 from skippy_llama.config import Settings
 from skippy_llama.roster import queue_digest
 from skippy_llama.runtime import native_ext
+from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 
 pytestmark = pytest.mark.model
@@ -57,18 +58,11 @@ def test_the_lone_verdict_is_what_decoding_shows(smollm2_path: Path) -> None:
         assert agree, "this checkout's queue (patch 0004) makes x86 lone decodes exact"
 
 
-def _cold_reply(cold: llama_cpp.Llama, prompt: str) -> str:
-    cold.reset()  # nothing of the last call reused: a cold prefill
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(cold.ctx), True)
-    out = cold.create_completion(prompt, max_tokens=12, temperature=0.0)
-    return str(out["choices"][0]["text"])  # type: ignore[index]
-
-
 def test_a_linear_chat_reuses_each_reply_exactly(smollm2_path: Path) -> None:
     """Each turn's prompt extends the last reply; its logits equal a cold prefill's, and the
     reply's cells are reused where lone decodes are exact (else decoded again, in one batch)."""
     skippy = SkippyLlama(str(smollm2_path), cache_settings=Settings(), **KWARGS)  # type: ignore[arg-type]
-    cold = llama_cpp.Llama(str(smollm2_path), **KWARGS)  # type: ignore[arg-type]
+    cold = ColdLlama(str(smollm2_path), **KWARGS)  # type: ignore[arg-type]
     try:
         prompt = TEXT + " The keeper counted"
         before = None  # the previous turn's prompt and reply token counts
@@ -88,7 +82,8 @@ def test_a_linear_chat_reuses_each_reply_exactly(smollm2_path: Path) -> None:
                 else:
                     assert event.cached_tokens <= aligned(skippy, n_prompt)
             out = skippy.create_completion(prompt, max_tokens=12, temperature=0.0)
-            assert out["choices"][0]["text"] == _cold_reply(cold, prompt)  # type: ignore[index]
+            want = cold.create_completion(prompt, max_tokens=12, temperature=0.0)
+            assert out["choices"][0]["text"] == want["choices"][0]["text"]  # type: ignore[index]
             n_generated = out["usage"]["completion_tokens"]  # type: ignore[index]
             assert n_generated >= 2
             before = (len(tokens), n_generated)
