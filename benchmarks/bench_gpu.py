@@ -120,6 +120,7 @@ def bench_size(
                     }
                 )
             row[tier] = {**runs[0 if tier == "l3" else -1], "runs": runs}
+            row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
             llm.close()
     return row
 
@@ -200,10 +201,11 @@ def bench_chat(
             "skippy": lambda: SkippyLlama(model, cache_settings=Settings(), **common),
         }
 
-        def with_l3(defer: bool) -> Any:
+        def with_l3(defer: bool, pin: bool = True) -> Any:
             def make() -> SkippyLlama:
                 store = Path(tempfile.mkdtemp(dir=tmp))  # a fresh store per round
-                llm = SkippyLlama(model, cache_settings=_settings(store), **common)
+                settings = _settings(store).model_copy(update={"pin_host_buffers": pin})
+                llm = SkippyLlama(model, cache_settings=settings, **common)
                 if not defer:
                     llm.defer_record_tokens = 0
                 return llm
@@ -212,6 +214,7 @@ def bench_chat(
 
         makers["skippy_l3"] = with_l3(True)
         makers["skippy_l3_eager"] = with_l3(False)
+        makers["skippy_l3_pageable"] = with_l3(True, pin=False)
         modes = ["plain", *[m for m in names if m != "plain"]]
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         replies: dict[str, list[list[list[int]]]] = {m: [] for m in modes}
@@ -254,7 +257,8 @@ def main() -> None:
         "--chat-modes",
         default="skippy,skippy_l3",
         help="comma-separated, beside plain: skippy, skippy_l3 (records left waiting as shipped "
-        "on GPU builds), skippy_l3_eager (records made after every request)",
+        "on GPU builds), skippy_l3_eager (records made after every request), skippy_l3_pageable "
+        "(skippy_l3 with pin_host_buffers off)",
     )
     parser.add_argument("--turn", type=int, default=600, help="new tokens per chat turn")
     parser.add_argument("--n-gpu-layers", type=int, default=-1)

@@ -20,6 +20,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .pinned import Pinner
 
 #: What the runtime and the tiers fill with KV bytes and hand to llama.cpp (writable buffers).
 HostBuffer = bytearray | mmap.mmap
@@ -57,21 +61,51 @@ class BufferPool:
     pool keeps the ``keep`` largest buffers given back, so in the steady state a process holds
     one warm buffer (written again without page faults), and a second only while the writer
     still reads the first.
+
+    With a ``pinner`` (CUDA builds, :mod:`skippy_llama.pinned`) the buffers the pool keeps are
+    page-locked when given back, so their next state copy runs at DMA speed, and are unlocked
+    before the pool lets go of them (:meth:`retire`, :meth:`clear`).
     """
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int = 1, pinner: Pinner | None = None) -> None:
         self._keep = keep
         self._free: list[HostBuffer] = []
         self._lock = threading.Lock()
+        self.pinner = pinner
 
-    def take(self) -> HostBuffer:
-        """The largest buffer given back, or an empty one (:func:`fit` replaces it)."""
+    def take(self, size: int = 0) -> HostBuffer:
+        """The largest buffer given back when it holds ``size`` bytes, else a fresh one of
+        ``size`` (the kept one is retired); an empty one when ``size`` is 0 and none is kept
+        (:func:`fit` replaces it)."""
         with self._lock:
-            return self._free.pop(0) if self._free else bytearray()
+            buf = self._free.pop(0) if self._free else None
+        if buf is not None and len(buf) >= size:
+            return buf
+        if buf is not None:
+            self.retire(buf)
+        return host_buffer(size) if size else bytearray()
 
     def give(self, buf: HostBuffer) -> None:
         """Return ``buf``: its owner no longer reads or writes it."""
         with self._lock:
             self._free.append(buf)
             self._free.sort(key=len, reverse=True)
+            dropped = self._free[self._keep :]
             del self._free[self._keep :]
+            kept = any(b is buf for b in self._free)
+        for old in dropped:
+            self.retire(old)
+        if kept and self.pinner is not None and len(buf) >= MAPPED_BYTES:
+            self.pinner.pin(buf)
+
+    def retire(self, buf: HostBuffer) -> None:
+        """Let go of ``buf`` (taken and not given back): unlocked first when it was pinned."""
+        if self.pinner is not None:
+            self.pinner.unpin(buf)
+
+    def clear(self) -> None:
+        """Drop every kept buffer (on close)."""
+        with self._lock:
+            dropped, self._free = self._free, []
+        for old in dropped:
+            self.retire(old)

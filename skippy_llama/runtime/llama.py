@@ -34,10 +34,11 @@ from ..cache import LookupResult, PrefixCache
 from ..config import Settings, load_settings
 from ..errors import StateFormatError, TierError
 from ..events import CacheEvent
-from ..hostmem import BufferPool, HostBuffer, fit
+from ..hostmem import BufferPool, HostBuffer
 from ..identity import CacheIdentity, paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
+from ..pinned import cuda_pinner
 from ..roster import Verdict
 from ..state import (
     KVLayout,
@@ -218,6 +219,11 @@ class SkippyLlama(llama_cpp.Llama):
         #: at most this many tokens of L3 (not of any answer). On the CPU a capture is a memcpy:
         #: nothing to save.
         self.defer_record_tokens = 0 if native.backend_name() == "CPU" else DEFER_RECORD_TOKENS
+        if settings.pin_host_buffers:
+            offloaded = self.model_params.n_gpu_layers != 0 and bool(
+                self.context_params.offload_kqv
+            )
+            self._buffers.pinner = cuda_pinner(native.backend_name(), offloaded)
         # llama.cpp's device checkpoints view a quantized K/V range as size / type_size
         # *elements* (blocks, not elements: 1/32 of a Q8_0 range is copied), so a restore brings
         # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
@@ -673,7 +679,7 @@ class SkippyLlama(llama_cpp.Llama):
         if base + sum(p.n_tokens for p in pages) != found.n_tokens:
             raise StateFormatError("restored pages do not cover the planned prefix")
         size = assembled_size(pages, self.kv_layout, start=base)
-        buf = fit(self._buffers.take(), size)
+        buf = self._buffers.take(size)
         try:
             assemble_into(buf, pages, self.kv_layout, seq_id=WORKING_SEQ, start=base)
             if base:
@@ -891,6 +897,8 @@ class SkippyLlama(llama_cpp.Llama):
                 self._buffers.give(buf)
                 raise
         assert isinstance(view.obj, bytearray | mmap.mmap)
+        if view.obj is not buf:  # outgrown: the call wrote a fresh buffer
+            self._buffers.retire(buf)
         return view
 
     def close(self) -> None:
@@ -899,6 +907,9 @@ class SkippyLlama(llama_cpp.Llama):
         if cache is not None and cache.disk is not None:
             self._record_deferred()
             cache.disk.close()
+        buffers = getattr(self, "_buffers", None)
+        if buffers is not None:
+            buffers.clear()
         super().close()
 
     def _repair(self, start: int, ahead: Sequence[int] = ()) -> int:
@@ -1105,6 +1116,7 @@ class SkippyLlama(llama_cpp.Llama):
             "n_ctx": self.n_ctx(),
             "granule": self.granule,
             "lone_decodes_exact": self.lone_decodes_exact,
+            "pinned_host_buffers": pinner.stats() if (pinner := self._buffers.pinner) else None,
             "native": self.native_verdict.to_json(),
             "kv_bytes_per_token": per_token,
             "context_kv_bytes": per_token * self.n_ctx(),

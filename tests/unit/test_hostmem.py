@@ -7,7 +7,7 @@ import mmap
 
 import numpy as np
 
-from skippy_llama.hostmem import MAPPED_BYTES, BufferPool, fit, host_buffer
+from skippy_llama.hostmem import MAPPED_BYTES, BufferPool, HostBuffer, fit, host_buffer
 
 
 def test_small_buffers_are_bytearrays_and_large_ones_zeroed_writable_mappings() -> None:
@@ -38,3 +38,64 @@ def test_a_pool_hands_out_what_was_given_back_keeping_the_largest() -> None:
     pool.give(large)
     assert pool.take() is large  # only the largest is kept
     assert pool.take() == bytearray()
+
+
+class _LedgerPinner:
+    """Keeps the set of registered buffers (the contract CudaPinner keeps with libcudart)."""
+
+    def __init__(self) -> None:
+        self.pinned: list[HostBuffer] = []
+
+    def pin(self, buf: HostBuffer) -> bool:
+        if not any(b is buf for b in self.pinned):
+            self.pinned.append(buf)
+        return True
+
+    def unpin(self, buf: HostBuffer) -> None:
+        self.pinned = [b for b in self.pinned if b is not buf]
+
+    def stats(self) -> dict[str, int | bool]:
+        return {"pinned": len(self.pinned)}
+
+
+def test_a_pinning_pool_locks_what_it_keeps_and_unlocks_before_letting_go() -> None:
+    ledger = _LedgerPinner()
+    pool = BufferPool(keep=1, pinner=ledger)
+    first = pool.take(MAPPED_BYTES)
+    assert isinstance(first, mmap.mmap) and not ledger.pinned  # pinned only once kept
+    pool.give(first)
+    assert ledger.pinned == [first]
+    assert pool.take(100) is first  # still pinned while lent: its next copy is fast
+    pool.give(first)
+    # outgrown: the kept buffer is unlocked before a larger one replaces it
+    second = pool.take(MAPPED_BYTES * 2)
+    assert second is not first and ledger.pinned == []
+    pool.give(second)
+    # a second buffer given back while the first is lent: the smaller is dropped, unlocked
+    lent = pool.take(10)
+    other = host_buffer(MAPPED_BYTES)
+    pool.give(other)
+    assert ledger.pinned == [second, other]
+    pool.give(lent)
+    assert ledger.pinned == [second]
+    # a buffer a state call outgrew (the caller retires it) and close both unlock
+    pool.retire(pool.take(0))
+    assert ledger.pinned == []
+    pool.give(second)
+    pool.clear()
+    assert ledger.pinned == [] and pool.take() == bytearray()
+
+
+def test_small_buffers_are_not_pinned() -> None:
+    ledger = _LedgerPinner()
+    pool = BufferPool(keep=1, pinner=ledger)
+    pool.give(bytearray(1000))
+    assert ledger.pinned == []
+
+
+def test_no_pinner_off_cuda_or_without_offloaded_kv() -> None:
+    from skippy_llama.pinned import cuda_pinner
+
+    assert cuda_pinner("CPU", kv_offloaded=True) is None
+    assert cuda_pinner("Vulkan", kv_offloaded=True) is None
+    assert cuda_pinner("CUDA", kv_offloaded=False) is None
