@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
+import runtime_patches
 
 
 @pytest.fixture(scope="session")
@@ -58,21 +59,8 @@ def gemma3_path() -> Path:
 @pytest.fixture(autouse=True)
 def _gpu_like(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ``SKIPPY_TEST_GPU_LIKE=1``, a GPU build's granule and record deferral (see above)."""
-    if os.environ.get("SKIPPY_TEST_GPU_LIKE") != "1":
-        return
-    from skippy_llama.runtime import llama as runtime
-
-    init = runtime.SkippyLlama.__init__
-
-    def canonical_granule(self: runtime.SkippyLlama) -> int:
-        return int(self.context_params.n_ubatch)
-
-    def gpu_like_init(self: runtime.SkippyLlama, *args: object, **kwargs: object) -> None:
-        init(self, *args, **kwargs)  # type: ignore[arg-type]
-        self.defer_record_tokens = runtime.DEFER_RECORD_TOKENS
-
-    monkeypatch.setattr(runtime.SkippyLlama, "_canonical_granule", canonical_granule)
-    monkeypatch.setattr(runtime.SkippyLlama, "__init__", gpu_like_init)
+    if os.environ.get("SKIPPY_TEST_GPU_LIKE") == "1":
+        runtime_patches.gpu_like(monkeypatch.setattr)
 
 
 @pytest.fixture
@@ -82,8 +70,4 @@ def restores_always_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     For tests of which tier serves a prompt: a GPU build's cost model may serve a short prompt
     cold because its prefill beats a restore (SmolLM2 at a 64-token granule), which the CPU
     never does. The cost rules have their own tests (tests/unit)."""
-    from skippy_llama.cache import PrefixCache
-    from skippy_llama.tiers.resident_costs import ResidentCosts
-
-    monkeypatch.setattr(PrefixCache, "_restore_pays", lambda self, *a, **k: True)
-    monkeypatch.setattr(ResidentCosts, "restore_pays", lambda self, saved_tokens: True)
+    runtime_patches.restores_always_pay(monkeypatch.setattr)

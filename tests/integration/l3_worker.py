@@ -17,28 +17,26 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
 def main(spec: dict[str, Any]) -> None:
-    from skippy_llama.runtime import llama as runtime
     from skippy_llama.runtime.llama import SkippyLlama
 
-    if spec.get("restores_always_pay"):
-        from skippy_llama.cache import PrefixCache
-        from skippy_llama.tiers.resident_costs import ResidentCosts
+    # the patches tests/conftest.py applies, from tests/runtime_patches.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import runtime_patches
 
-        PrefixCache._restore_pays = lambda self, *a, **k: True  # type: ignore[method-assign]
-        ResidentCosts.restore_pays = lambda self, saved_tokens: True  # type: ignore[method-assign]
+    if spec.get("restores_always_pay"):
+        runtime_patches.restores_always_pay()
     if spec.get("gpu_like"):
-        SkippyLlama._canonical_granule = lambda self: int(self.context_params.n_ubatch)  # type: ignore[method-assign]
+        runtime_patches.gpu_like()
 
     # no cache_settings: SKIPPY_* environment variables must be enough to turn L3 on
     llm = SkippyLlama(
         spec["model"], n_ctx=spec.get("n_ctx", 2048), verbose=False, **spec.get("llama", {})
     )
-    if spec.get("gpu_like"):
-        llm.defer_record_tokens = runtime.DEFER_RECORD_TOKENS
     disk = llm.prefix_cache.disk
     out: dict[str, Any] = {
         "pid": os.getpid(),
