@@ -272,7 +272,8 @@ def test_uncompressed_pages_restore_from_the_reused_read_buffer(
     # every restore of the process reuses: three restores in a row must each be exact
     env = l3_env(tmp_path / "l3", SKIPPY_L3__COMPRESSION="none")
     first = run_worker(smollm2_path, env, PROMPTS)
-    again = run_worker(smollm2_path, env, PROMPTS)
+    # on a GPU the cost model may serve these short prompts cold (a prefill beats a restore)
+    again = run_worker(smollm2_path, env, PROMPTS, restores_always_pay=True)
     assert first["outputs"] == again["outputs"] == reference[:3]
     assert again["events"][0]["tier"] == "l3"
     assert sum(e["tier"] in ("l2", "l3") for e in again["events"]) >= 2
