@@ -36,6 +36,10 @@ fetch_sdist() {
 # unpack a fresh sdist into $1 and apply the series; fails loudly on any patch that does not apply
 apply_queue() {
   local dest="$1" src
+  if ! command -v patch > /dev/null; then
+    echo "build_patched_llama: patch(1) is not installed (e.g. apt-get install patch)" >&2
+    return 1
+  fi
   fetch_sdist
   mkdir -p "$dest"
   tar -xzf "$SDIST" -C "$dest"
