@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 import numpy as np
 
@@ -64,6 +65,7 @@ def test_a_pinning_pool_locks_what_it_keeps_and_unlocks_before_letting_go() -> N
     first = pool.take(MAPPED_BYTES)
     assert isinstance(first, mmap.mmap) and not ledger.pinned  # pinned only once kept
     pool.give(first)
+    pool.settle()  # registration runs on its own thread
     assert ledger.pinned == [first]
     assert pool.take(100) is first  # still pinned while lent: its next copy is fast
     pool.give(first)
@@ -75,6 +77,7 @@ def test_a_pinning_pool_locks_what_it_keeps_and_unlocks_before_letting_go() -> N
     lent = pool.take(10)
     other = host_buffer(MAPPED_BYTES)
     pool.give(other)
+    pool.settle()
     assert ledger.pinned == [second, other]
     pool.give(lent)
     assert ledger.pinned == [second]
@@ -84,6 +87,24 @@ def test_a_pinning_pool_locks_what_it_keeps_and_unlocks_before_letting_go() -> N
     pool.give(second)
     pool.clear()
     assert ledger.pinned == [] and pool.take() == bytearray()
+
+
+def test_take_waits_for_a_registration_still_running() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    class SlowPinner(_LedgerPinner):
+        def pin(self, buf: HostBuffer) -> bool:
+            started.set()
+            release.wait(5)
+            return super().pin(buf)
+
+    ledger = SlowPinner()
+    pool = BufferPool(keep=1, pinner=ledger)
+    buf = host_buffer(MAPPED_BYTES)
+    pool.give(buf)  # returns at once: the registration runs on its own thread
+    assert started.wait(5) and ledger.pinned == []
+    threading.Timer(0.05, release.set).start()
+    assert pool.take(1) is buf and ledger.pinned == [buf]  # take waited for it
 
 
 def test_small_buffers_are_not_pinned() -> None:
