@@ -65,7 +65,7 @@ def _gpu_like(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def restores_always_pay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """L1 and L2/L3 restores go ahead whatever this machine's measured costs say.
+    """L1 parks and L1/L2/L3 restores go ahead whatever this machine's measured costs say.
 
     For tests of which tier serves a prompt: a GPU build's cost model may serve a short prompt
     cold because its prefill beats a restore (SmolLM2 at a 64-token granule), which the CPU

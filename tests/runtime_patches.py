@@ -12,12 +12,14 @@ Setter = Callable[[Any, str, Any], None]
 
 
 def restores_always_pay(set_attr: Setter = setattr) -> None:
-    """L1 and L2/L3 restores go ahead whatever this machine's measured costs say."""
+    """L1 parks and L1/L2/L3 restores go ahead whatever this machine's measured costs say (on
+    the CPU they always pay; on a GPU a short prefix's prefill may beat them)."""
     from skippy_llama.cache import PrefixCache
     from skippy_llama.tiers.resident_costs import ResidentCosts
 
     set_attr(PrefixCache, "_restore_pays", lambda self, *a, **k: True)
     set_attr(ResidentCosts, "restore_pays", lambda self, saved_tokens: True)
+    set_attr(ResidentCosts, "park_pays", lambda self, n_tokens: True)
 
 
 def gpu_like(set_attr: Setter = setattr) -> None:
