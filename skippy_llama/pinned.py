@@ -64,8 +64,8 @@ def _address(buf: HostBuffer) -> int:
 class CudaPinner:
     """:class:`Pinner` on libcudart's ``cudaHostRegister`` / ``cudaHostUnregister``.
 
-    Thread-safe: the runtime pins on the request thread (restores) and the L3 writer's thread
-    (captures it has cut). The first refused registration turns pinning off for the process (it
+    Thread-safe: the pool registers on threads of its own and unregisters on the request or the
+    L3 writer's thread. The first refused registration turns pinning off for the process (it
     means locked memory ran out, and every later one would fail the same way, paying the call).
     """
 

@@ -476,3 +476,22 @@ def test_checkpoints_that_cost_more_than_their_prefill_are_skipped(smollm2_path:
         assert resumed is not None and resumed.tier == "l1" and resumed.cached_tokens > 100
     finally:
         skippy.close()
+
+
+def test_host_buffers_are_pinned_only_on_cuda_with_kv_offloaded(smollm2_path: Path) -> None:
+    for pin in (True, False):
+        llm = SkippyLlama(
+            str(smollm2_path),
+            n_ctx=512,
+            verbose=False,
+            cache_settings=Settings(pin_host_buffers=pin),
+        )
+        try:
+            offloaded = llm.model_params.n_gpu_layers != 0 and llm.context_params.offload_kqv
+            status = llm.cache_status()["pinned_host_buffers"]
+            if pin and native.backend_name() == "CUDA" and offloaded:
+                assert status is not None and status["refused"] is False
+            else:
+                assert status is None and llm._buffers.pinner is None
+        finally:
+            llm.close()
