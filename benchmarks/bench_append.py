@@ -12,11 +12,11 @@ document plus four tokens, served in alternating order, ``--reps`` times each (m
 
 TTFT is the request's time to its first token (lookup, L3 reads, restore, the suffix's prefill);
 the logits of both ways are compared with each other bit for bit. Needs the patched library
-(``scripts/build_patched_llama.sh``); nothing here is a timed assertion.
+(``scripts/setup.sh``'s default build); nothing here is a timed assertion.
 
 Usage::
 
-    .venv-patched/bin/python benchmarks/bench_append.py --out benchmarks/results/append.json
+    .venv/bin/python benchmarks/bench_append.py --out benchmarks/results/append.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The patched llama.cpp calls on the real SmolLM2 model: range export and append import.
 
-The patched tests run against a library built by ``scripts/build_patched_llama.sh`` (CI's
-patched lane); on a stock wheel they are skipped and the absence test runs instead.
+The patched tests run against a library built by ``scripts/build_patched_llama.sh`` (what
+``scripts/setup.sh`` installs by default); on a stock wheel (CI's stock lane) they are skipped and
+the absence test runs instead.
 """
 
 from __future__ import annotations
