@@ -120,8 +120,9 @@ class CudaPinner:
             }
 
 
-def _cudart() -> ctypes.CDLL | None:
-    """libcudart as llama.cpp's CUDA backend loaded it, or None."""
+def load_cudart() -> ctypes.CDLL | None:
+    """libcudart as llama.cpp's CUDA backend loaded it, or None (a CPU build; also what
+    ``benchmarks/gpu/pinned_probe.py`` registers its buffers with)."""
     import llama_cpp
 
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
@@ -143,7 +144,7 @@ def cuda_pinner(backend: str, kv_offloaded: bool) -> CudaPinner | None:
     else None (CPU, Metal's unified memory, Vulkan: nothing to register with)."""
     if backend != "CUDA" or not kv_offloaded:
         return None
-    cudart = _cudart()
+    cudart = load_cudart()
     if cudart is None:
         log.info("skippy-llama: no libcudart beside the CUDA backend; host buffers stay pageable")
         return None

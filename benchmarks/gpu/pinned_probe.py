@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
 import json
 import mmap
 import statistics
@@ -30,20 +29,9 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from skippy_llama.pinned import load_cudart
+
 REPEATS = 5
-
-
-def _cudart() -> ctypes.CDLL | None:
-    """libcudart as llama.cpp's CUDA backend loads it, or None (a CPU build)."""
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    names = [str(p) for p in sorted(lib_dir.glob("libcudart.so*"))]
-    names += ["libcudart.so.12", "libcudart.so", ctypes.util.find_library("cudart") or ""]
-    for name in filter(None, names):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    return None
 
 
 def _logits(llm: llama_cpp.Llama, pos: int, token: int) -> np.ndarray[Any, Any]:
@@ -131,7 +119,7 @@ def main() -> None:
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: print only)")
     args = parser.parse_args()
-    cudart = _cudart()
+    cudart = load_cudart()
     results = {
         "cudart": cudart is not None,
         "runs": [probe(args.model, n, cudart, args.n_gpu_layers) for n in args.tokens],
