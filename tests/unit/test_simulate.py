@@ -190,6 +190,27 @@ def test_policy_targets_on_synthetic_workloads(seed: int) -> None:
                 assert new >= 0.8 * best, budget
 
 
+def test_document_pages_name_each_document_request_and_its_probability() -> None:
+    shape = synthetic.Shape(requests=50)
+    pages = synthetic.document_pages(shape, seed=4)
+    events = synthetic.workload_events("skewed", shape, seed=4)
+    lookups = [e for e in events if isinstance(e, LookupEvent)]
+    documents = [pages.get(e.keys[0], (None, 0.0))[0] for e in lookups]
+    one_offs = [i for i, d in enumerate(documents) if d is None]
+    assert one_offs == list(range(shape.long_every - 1, shape.requests, shape.long_every))
+    # every full page of a document request is the document's, and nothing else is
+    for event, document in zip(lookups, documents, strict=True):
+        full = [k for k, n in zip(event.keys, event.tokens, strict=True) if n == 128]
+        expected = (shape.system_tokens + shape.document_tokens) // 128
+        owners = [pages[k][0] for k in full[:expected]] if document is not None else []
+        assert owners == ([document] * expected if document is not None else [])
+        assert not set(full[expected:]) & set(pages)
+    per_document = {index: p for index, p in pages.values()}
+    assert len(per_document) == shape.documents
+    assert sum(per_document.values()) == pytest.approx(1 - 1 / shape.long_every)
+    assert per_document[0] > per_document[1] > per_document[shape.documents - 1]
+
+
 def test_sweep_table_and_plot(tmp_path: Path) -> None:
     events = synthetic.workload_events("skewed", synthetic.Shape(requests=60))
     results = sweep(events, [16 * MiB, 64 * MiB], ["lru", "reuse", "optimal"])

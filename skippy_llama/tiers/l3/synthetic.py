@@ -50,15 +50,40 @@ def _text(rng: np.random.Generator, n: int) -> Prompt:
     return rng.integers(0, _VOCAB, size=n, dtype=np.int32)
 
 
+def _corpus(
+    rng: np.random.Generator, shape: Shape
+) -> tuple[Prompt, list[Prompt], npt.NDArray[np.float64]]:
+    """The system prompt, the documents and their Zipf weights (drawn first, in this order)."""
+    system = _text(rng, shape.system_tokens)
+    docs = [_text(rng, shape.document_tokens) for _ in range(shape.documents)]
+    weights = 1.0 / np.arange(1, shape.documents + 1) ** shape.zipf
+    return system, docs, weights / weights.sum()
+
+
+def document_pages(
+    shape: Shape = Shape(), seed: int = 0, page_tokens: int = 128
+) -> dict[str, tuple[int, float]]:
+    """Per full page of system prompt + document: the document's index and its probability in
+    the ``skewed`` workload (what an oracle knows and an online policy must learn; used by
+    ``benchmarks/policies_ceiling.py``)."""
+    system, docs, weights = _corpus(np.random.default_rng(seed), shape)
+    doc_share = 1.0 - 1.0 / shape.long_every if shape.long_every else 1.0
+    out: dict[str, tuple[int, float]] = {}
+    for index, doc in enumerate(docs):
+        prefix = np.concatenate([system, doc])
+        keys, counts = page_keys(ROOT, prefix, len(prefix), page_tokens)
+        for key, n in zip(keys, counts, strict=True):
+            if n == page_tokens:
+                out[key] = (index, float(weights[index]) * doc_share)
+    return out
+
+
 def prompts(workload: str, shape: Shape = Shape(), seed: int = 0) -> list[Prompt]:
     """The prompts of ``workload`` (one of :data:`WORKLOADS`)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
     rng = np.random.default_rng(seed)
-    system = _text(rng, shape.system_tokens)
-    docs = [_text(rng, shape.document_tokens) for _ in range(shape.documents)]
-    weights = 1.0 / np.arange(1, shape.documents + 1) ** shape.zipf
-    weights /= weights.sum()
+    system, docs, weights = _corpus(rng, shape)
     out: list[Prompt] = []
     for i in range(shape.requests):
         question = _text(rng, shape.question_tokens)
