@@ -11,7 +11,8 @@ shapes, smaller) run through ``SkippyLlama`` with L1 off and L3 alone at ``--bud
 ``--live-policies`` (default ``reuse``) on every workload, and each further one on the workloads
 of ``--compare-on`` (live TTFT per policy); each trace is then replayed under every policy at the
 same budget. Live TTFT and cached tokens are measured; the replayed figures use the prefill and
-restore rates the run measured.
+restore rates the run measured. The workloads of ``--plain-on`` (default ``scan``, where nothing
+is reused) also run on plain ``llama_cpp.Llama``, and the summed request times are compared.
 
     .venv/bin/python benchmarks/bench_policies.py --out benchmarks/results/policies.json \
         --live-policies reuse,lru --compare-on skewed
@@ -88,10 +89,13 @@ def bench_real(
     workloads: list[str] | None = None,
     shape: synthetic.Shape = REAL_SHAPE,
     seeds: tuple[int, ...] = (0,),
+    plain_on: tuple[str, ...] = ("scan",),
 ) -> list[dict[str, Any]]:
     """Every workload with the live store on ``live_policies[0]``; the workloads in
     ``compare_on`` also under each further live policy (a run takes minutes per policy); all
-    of it once per seed of the prompts."""
+    of it once per seed of the prompts. The workloads in ``plain_on`` also run on plain
+    ``llama_cpp.Llama`` right after the first policy's run, for the overhead where nothing is
+    reused (``scan``) and the gain where something is."""
     from skippy_llama.config import Settings
     from skippy_llama.runtime.llama import SkippyLlama
     from skippy_llama.sizes import format_size
@@ -122,11 +126,13 @@ def bench_real(
                 verbose=False,
                 cache_settings=settings,
             )
-            ttft, cached, prompt_tokens = [], 0, 0
+            ttft, cached, prompt_tokens, request_s = [], 0, 0, 0.0
             started = time.perf_counter()
             try:
                 for prompt in prompts:
+                    t0 = time.perf_counter()
                     llm.create_completion([int(t) for t in prompt], max_tokens=1, temperature=0.0)
+                    request_s += time.perf_counter() - t0
                     event = llm.last_cache_event
                     assert event is not None
                     ttft.append(event.ttft_ms / 1e3)
@@ -140,6 +146,9 @@ def bench_real(
             wall = time.perf_counter() - started
             events = list(read_trace(trace_path))
         rates = [e for e in events if isinstance(e, LookupEvent) and e.prefill_s_per_token]
+        plain = None
+        if workload in plain_on and live_policy == live_policies[0]:
+            plain = {"request_s_sum": run_plain(model, prompts, n_threads)}
         out.append(
             {
                 "workload": workload,
@@ -149,10 +158,13 @@ def bench_real(
                 "requests": len(prompts),
                 "live": {
                     "ttft_sum_s": sum(ttft),
+                    "request_s_sum": request_s,
                     "cached_tokens": cached,
                     "prompt_tokens": prompt_tokens,
                     "wall_s": wall,
                 },
+                "plain": plain,
+                "x_plain": request_s / plain["request_s_sum"] if plain else None,
                 "prefill_s_per_token": rates[-1].prefill_s_per_token if rates else None,
                 "restore_s_per_byte": rates[-1].restore_s_per_byte if rates else None,
                 "replay": replay_all(events, budget),
@@ -164,6 +176,24 @@ def bench_real(
             file=sys.stderr,
         )
     return out
+
+
+def run_plain(model: str, prompts: list[Any], n_threads: int | None) -> float:
+    """Seconds plain ``llama_cpp.Llama`` spends on the same requests (summed)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model, n_ctx=2048, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
+    )
+    total = 0.0
+    try:
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            llm.create_completion([int(t) for t in prompt], max_tokens=1, temperature=0.0)
+            total += time.perf_counter() - t0
+    finally:
+        llm.close()
+    return total
 
 
 def git_commit() -> str | None:
@@ -232,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         "--real-seeds", default="0", help="seeds of the real-model prompts, e.g. 0 or 0-2"
     )
     parser.add_argument(
+        "--plain-on",
+        default="scan",
+        help="workloads also run on plain llama_cpp.Llama (comma-separated; default scan: the "
+        "overhead where nothing is reused)",
+    )
+    parser.add_argument(
         "--workloads",
         default=",".join(synthetic.WORKLOADS),
         help="real-model workloads, comma-separated (default: all four)",
@@ -288,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             [w for w in args.workloads.split(",") if w],
             shape,
             parse_seeds(args.real_seeds),
+            tuple(w for w in args.plain_on.split(",") if w),
         )
         for w in report["real"]:
             live = w["live"]
@@ -295,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"real {w['workload']:>8} seed {w['seed']} (live {w['live_policy']}): "
                 f"TTFT sum {live['ttft_sum_s']:.1f}s, cached "
                 f"{live['cached_tokens']}/{live['prompt_tokens']} tokens"
+                + (f", {w['x_plain']:.3f}x plain Llama's request time" if w["x_plain"] else "")
             )
             for r in w["replay"]:
                 print(
