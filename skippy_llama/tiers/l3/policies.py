@@ -88,8 +88,9 @@ the 64 MiB floor, three seeds) ``reuse`` saves 0.899/0.914/0.916x the optimum on
 each page belongs to, ranking documents by exact counts of the requests seen so far (the best
 ranking an online policy can learn from independent requests), saves 0.908/0.853/0.892/0.966x
 the optimum on the synthetic skewed traces, held-out 0.865/0.881/0.910/0.976x. ``reuse`` is
-level with it from 64 MiB and within 0.04 at 32 MiB; it misses 0.9x at 64 MiB itself, so below
-128 MiB the target is out of reach of any policy that learns the ranks from these 300 requests.
+within 0.011 of it from 64 MiB and 0.04 at 32 MiB; the yardstick itself misses 0.9x at
+64 MiB, so below 128 MiB the target is out of reach of any policy that learns the ranks from
+these 300 requests.
 
 Tried for the 0.9x target after ``reuse``
 -----------------------------------------
