@@ -9,7 +9,8 @@ side, in alternating order, ``--reps`` times (median reported):
 
 Both end in parsed numpy views of the cells, what the page cutter consumes; the bytes of the range
 export are checked against the matching slice of the whole export once per turn. Needs the patched
-library (``scripts/setup.sh``'s default, ``scripts/build_patched_llama.sh``); nothing here is a timed assertion.
+library (``scripts/setup.sh``'s default, ``scripts/build_patched_llama.sh``); nothing here is a
+timed assertion.
 
 Usage::
 
