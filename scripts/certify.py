@@ -56,7 +56,7 @@ from skippy_llama.roster import (  # noqa: E402
     parse_roster,
 )
 from skippy_llama.runtime import native, native_ext  # noqa: E402
-from skippy_llama.runtime.llama import SkippyLlama, _context_hook  # noqa: E402
+from skippy_llama.runtime.context import adjusted  # noqa: E402
 from skippy_llama.runtime.recipe import library_recipe, row_key  # noqa: E402
 from skippy_llama.state import (  # noqa: E402
     assemble,
@@ -110,14 +110,11 @@ def _models() -> list[Model]:
 
 def _llama(model: Path, layout: Layout, n_seq_max: int = 1) -> llama_cpp.Llama:
     # the runtime's own context adjustment: n_seq_max sequences in one unified cache
-    _context_hook.adjust = SkippyLlama._context_adjuster(n_seq_max)
-    try:
+    with adjusted(n_seq_max):
         return llama_cpp.Llama(
             str(model), n_ctx=1024, n_batch=512, type_k=layout.type_k, type_v=layout.type_v,
             flash_attn=layout.flash_attn, swa_full=True, verbose=False,
         )  # fmt: skip
-    finally:
-        _context_hook.adjust = None
 
 
 def _tokens(llm: llama_cpp.Llama, n: int) -> list[int]:

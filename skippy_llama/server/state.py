@@ -59,8 +59,8 @@ class ServingState:
     def status_tier(self) -> DiskTier:
         """The model's L3 tier, or a closed ``off`` one whose status says L3 is not in use."""
         llm = self.model()
-        disk = llm.prefix_cache.disk if llm is not None else None
-        if disk is not None:
+        disk = llm.prefix_cache.tier("l3") if llm is not None else None
+        if isinstance(disk, DiskTier):
             return disk
         if self._off_tier is None:
             off = self.cache.settings.l3.model_copy(update={"mode": "off"})

@@ -18,9 +18,20 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from .records import RamStatus
+from .records import PrefixRecord, RamStatus
+
+
+class DigestSource(Protocol):
+    """The tier L2 mirrors: the current digest of each page it holds."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    def digest(self, key: bytes) -> bytes | None: ...
+
 
 MiB = 1 << 20
 #: A second fill within this many seconds promotes a page.
@@ -39,10 +50,15 @@ class RamTier:
     Thread-safe. ``clock`` returns seconds (monotonic) and is injectable for tests.
     """
 
+    name = "l2"
+    #: a mirror: pages come by promotion from L3, never from records
+    takes_records = False
+
     def __init__(
         self,
         budget_bytes: int,
         *,
+        source: DigestSource | None = None,
         clock: Callable[[], float] = time.monotonic,
         promote_window_s: float = PROMOTE_WINDOW_S,
         large_prefix_tokens: int = LARGE_PREFIX_TOKENS,
@@ -52,6 +68,8 @@ class RamTier:
         if budget_bytes <= 0:
             raise ValueError(f"L2 budget must be positive, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        #: the tier this one mirrors (L3): its digests decide whether a copy is still valid
+        self.source = source
         self._clock = clock
         self._window = promote_window_s
         self._large = large_prefix_tokens
@@ -88,7 +106,7 @@ class RamTier:
     def __contains__(self, key: object) -> bool:
         return key in self._pages
 
-    def offer(
+    def fill(
         self, key: bytes, payload: bytes | memoryview, digest: bytes, prefix_tokens: int
     ) -> bool:
         """Offer a page L3 just served (a "fill"); returns True when L2 now holds it.
@@ -154,6 +172,44 @@ class RamTier:
             self._pages.move_to_end(key)
             self._counts["hits"] += 1
             return payload
+
+    # -- the page-tier protocol (tiers/base.py) ---------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        return self.source is not None and self.source.serving
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        return key in self._pages
+
+    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+        return []  # a mirror finds whole pages by key; the branch points are L3's
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
+        """Copies of the longest prefix of ``keys`` whose L3 digest still matches."""
+        out: list[bytes | memoryview] = []
+        for key in keys:
+            page = self.get(key, self.source.digest(key) if self.source is not None else None)
+            if page is None:
+                break
+            out.append(page)
+        return out
+
+    def offer(self, record: PrefixRecord) -> bool:
+        record.drop()  # never offered (takes_records is False); dropped if it were
+        return False
+
+    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+        """Keep a copy of a page L3 served, by the promotion rules (see :meth:`fill`)."""
+        digest = self.source.digest(key) if self.source is not None else None
+        if digest is not None:
+            self.fill(key, payload, digest, prefix_tokens)
+
+    def note_miss(self) -> None:
+        """L2's misses are counted per page by :meth:`get`."""
+
+    def close(self) -> None:
+        self.clear()
 
     def invalidate(self, key: bytes) -> None:
         """Drop the copy of ``key`` (L3 removed, evicted or quarantined the page)."""

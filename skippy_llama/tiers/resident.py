@@ -11,21 +11,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..identity import chain_key, page_keys
+from .base import ResidentMatch, common_prefix
+
+__all__ = ["ParkPlan", "ResidentEntry", "ResidentIndex", "ResidentStatus", "common_prefix"]
 
 Tokens = npt.NDArray[np.int32]
-
-
-def common_prefix(a: Tokens, b: Tokens) -> int:
-    """Length of the common prefix of two token arrays."""
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if len(diff) else m
 
 
 @dataclass
@@ -45,11 +42,17 @@ class ResidentEntry:
 
 
 @dataclass(frozen=True)
-class ResidentHit:
-    """The longest resident prefix of a prompt: copy ``n_tokens`` cells from ``seq_id``."""
+class ResidentStatus:
+    """L1's budget and usage, in tokens."""
 
-    seq_id: int
-    n_tokens: int
+    enabled: bool
+    prefixes: int
+    tokens: int
+    budget_tokens: int
+    max_prefixes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class ParkPlan:
 
 
 class ResidentIndex:
-    """LRU index of resident prefixes with pins and a resident-token budget.
+    """L1 (a :class:`~skippy_llama.tiers.base.ResidentTier`): LRU index of resident prefixes
+    with pins and a resident-token budget.
 
     The budget is charged by each entry's full length: every checkpoint holds its own copy of
     its cells, so this is exactly the memory the checkpoints take.
@@ -81,6 +85,9 @@ class ResidentIndex:
         self._by_page: dict[bytes, set[int]] = {}
         self.budget_tokens = budget_tokens
         self.page_tokens = page_tokens
+        self.max_prefixes = len(self._free)
+
+    name = "l1"
 
     @property
     def used_tokens(self) -> int:
@@ -90,8 +97,8 @@ class ResidentIndex:
         """Entries from least to most recently used."""
         return list(self._entries.values())
 
-    def lookup(self, root: bytes, tokens: Tokens, limit: int) -> ResidentHit | None:
-        """Longest resident prefix of ``tokens[:limit]``.
+    def match(self, root: bytes, tokens: Tokens, limit: int) -> ResidentMatch | None:
+        """Longest resident prefix of ``tokens[:limit]`` (no side effects).
 
         Walks the page-key chain from ``root`` over full pages, then extends token by token into
         the entries that hold the last matched page: a resident copy of cells ``[0, m)`` is exact
@@ -106,17 +113,27 @@ class ResidentIndex:
             if not found:
                 break
             parent, matched, holders = key, matched + p, found
-        best: ResidentHit | None = None
+        best: ResidentMatch | None = None
         for seq_id in holders:
             entry = self._entries[seq_id]
             n = matched + common_prefix(tokens[matched:limit], entry.tokens[matched:])
             if self.window and entry.n_tokens > self.window and n < entry.n_tokens:
                 continue  # the cut prefix's sliding window is not in the checkpoint
             if n > 0 and (best is None or n > best.n_tokens):
-                best = ResidentHit(seq_id, n)
-        if best is not None:
-            self._entries.move_to_end(best.seq_id)
+                best = ResidentMatch(seq_id, n)
         return best
+
+    def lookup(self, root: bytes, tokens: Tokens, limit: int) -> ResidentMatch | None:
+        """:meth:`match`, and the entry found becomes the most recently used."""
+        best = self.match(root, tokens, limit)
+        if best is not None:
+            self.touch(best.seq_id)
+        return best
+
+    def touch(self, seq_id: int) -> None:
+        """``seq_id`` served a request: it becomes the most recently used."""
+        if seq_id in self._entries:
+            self._entries.move_to_end(seq_id)
 
     def entry(self, seq_id: int) -> ResidentEntry:
         return self._entries[seq_id]
@@ -191,6 +208,15 @@ class ResidentIndex:
         entry = self._entries.get(seq_id)
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
+
+    def status(self) -> ResidentStatus:
+        """Prefixes, tokens and budget."""
+        return ResidentStatus(
+            True, len(self._entries), self.used_tokens, self.budget_tokens, self.max_prefixes
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the checkpoints belong to the context."""
 
     def clear(self) -> list[int]:
         """Forget every entry; returns the sequence ids the runtime must clear."""

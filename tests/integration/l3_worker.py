@@ -6,8 +6,8 @@ every request and the L3 status of this process (after its queued writes were fl
 
 SPEC keys: ``model`` (path), ``prompts`` (list of str), ``max_tokens`` (int), ``n_ctx`` (int),
 ``llama`` (extra ``Llama`` keyword arguments), ``start_at`` (unix time to wait for after loading,
-so that several workers prefill at once), ``restores_always_pay`` (L1/L2/L3 restores go ahead
-whatever the measured costs say, as the ``restores_always_pay`` fixture does), ``gpu_like`` (a GPU
+so that several workers prefill at once), ``always_restore`` (L1/L2/L3 restores go ahead
+whatever the measured costs say: the ``AlwaysRestore`` cost model, as the fixture of that name), ``gpu_like`` (a GPU
 build's granule and record deferral, as ``SKIPPY_TEST_GPU_LIKE=1`` in ``tests/conftest.py``).
 """
 
@@ -28,14 +28,19 @@ def main(spec: dict[str, Any]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import runtime_patches
 
-    if spec.get("restores_always_pay"):
-        runtime_patches.restores_always_pay()
     if spec.get("gpu_like"):
         runtime_patches.gpu_like()
 
     # no cache_settings: SKIPPY_* environment variables must be enough to turn L3 on
+    from skippy_llama.costs import AlwaysRestore
+
+    costs = AlwaysRestore() if spec.get("always_restore") else None
     llm = SkippyLlama(
-        spec["model"], n_ctx=spec.get("n_ctx", 2048), verbose=False, **spec.get("llama", {})
+        spec["model"],
+        n_ctx=spec.get("n_ctx", 2048),
+        verbose=False,
+        cost_model=costs,
+        **spec.get("llama", {}),
     )
     disk = llm.prefix_cache.disk
     out: dict[str, Any] = {

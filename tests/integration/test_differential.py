@@ -28,6 +28,7 @@ import pytest
 from modelhelpers import TEXT, last_logits
 
 from skippy_llama.config import Settings
+from skippy_llama.costs import CostModel
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 
@@ -248,7 +249,7 @@ def test_defaults_match_a_cold_model_on_random_call_sequences(
 
 @pytest.mark.parametrize("seed", [3, 4])
 def test_every_tier_matches_a_cold_model_on_random_call_sequences(
-    smollm2_path: Path, tmp_path: Path, seed: int, restores_always_pay: None
+    smollm2_path: Path, tmp_path: Path, seed: int, always_restore: CostModel
 ) -> None:
     # restores forced: a GPU build's cost model may serve every short prompt from L1 or cold,
     # leaving L2/L3 untested
@@ -261,6 +262,7 @@ def test_every_tier_matches_a_cold_model_on_random_call_sequences(
         l2={"budget": "256MiB"},
         l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"},
     )
+    args["cost_model"] = always_restore
     got, _ = _skippy(smollm2_path, script, args, settings)
     assert got == want, _first_difference(want, got)
     # a second object starts on the first one's L3 pages

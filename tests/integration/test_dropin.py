@@ -21,8 +21,7 @@ import pytest
 from modelhelpers import TEXT, aligned, short_of_a_boundary
 
 from skippy_llama.config import Settings
-from skippy_llama.runtime import llama as runtime
-from skippy_llama.runtime import native, native_ext
+from skippy_llama.runtime import context, native, native_ext, repair
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.workload import SYSTEM_PROMPT
@@ -343,7 +342,7 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
             out.append(reply["choices"][0]["message"]["content"])
         return out
 
-    monkeypatch.setattr(runtime.SkippyLlama, "_repair", _raise(ValueError("repair failed")))
+    monkeypatch.setattr(repair, "repair", _raise(ValueError("repair failed")))
     want, got, skippy = _both(smollm2_path, script)
     assert got == want
     if skippy.lone_decodes_exact:  # replies are exact as generated: no repair to fail
@@ -359,13 +358,13 @@ def test_one_context_of_plain_size_and_resident_memory_within_the_budget(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[int] = []
-    original = runtime._HookedContext.__init__
+    original = context._HookedContext.__init__
 
     def counting(self: Any, *, model: Any, params: Any, verbose: bool = True) -> None:
         original(self, model=model, params=params, verbose=verbose)
         built.append(int(params.n_ctx))
 
-    monkeypatch.setattr(runtime._HookedContext, "__init__", counting)
+    monkeypatch.setattr(context._HookedContext, "__init__", counting)
     skippy = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings())
     try:
         for i in range(6):  # more distinct prefixes than slots and than the budget holds
@@ -492,6 +491,6 @@ def test_host_buffers_are_pinned_only_on_cuda_with_kv_offloaded(smollm2_path: Pa
             if pin and native.backend_name() == "CUDA" and offloaded:
                 assert status is not None and status["refused"] is False
             else:
-                assert status is None and llm._buffers.pinner is None
+                assert status is None and llm.seam.buffers.pinner is None
         finally:
             llm.close()

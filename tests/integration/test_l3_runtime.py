@@ -25,6 +25,7 @@ import pytest
 from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import L3Settings, Settings
+from skippy_llama.costs import CostModel
 from skippy_llama.runtime.llama import DECODED_SUFFIX, SkippyLlama
 from skippy_llama.tiers.disk import DiskTier
 
@@ -244,7 +245,7 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     assert written["writes"] > 0 and written["dropped_writes"] == 0
 
     # restores forced: a GPU build's cost model serves P2 cold (its prefill beats the restore)
-    b = run_worker(smollm2_path, l3_env(store), PROMPTS, restores_always_pay=True)
+    b = run_worker(smollm2_path, l3_env(store), PROMPTS, always_restore=True)
 
     assert b["outputs"] == reference[:3]
     assert b["events"][0]["tier"] == "l3"
@@ -273,7 +274,7 @@ def test_uncompressed_pages_restore_from_the_reused_read_buffer(
     env = l3_env(tmp_path / "l3", SKIPPY_L3__COMPRESSION="none")
     first = run_worker(smollm2_path, env, PROMPTS)
     # on a GPU the cost model may serve these short prompts cold (a prefill beats a restore)
-    again = run_worker(smollm2_path, env, PROMPTS, restores_always_pay=True)
+    again = run_worker(smollm2_path, env, PROMPTS, always_restore=True)
     assert first["outputs"] == again["outputs"] == reference[:3]
     assert again["events"][0]["tier"] == "l3"
     assert sum(e["tier"] in ("l2", "l3") for e in again["events"]) >= 2
@@ -544,11 +545,17 @@ def test_identity_changes_miss_in_l3(
 
 
 def test_l2_mirrors_pages_after_the_second_fill(
-    smollm2_path: Path, store: Path, reference: list[str], restores_always_pay: None
+    smollm2_path: Path, store: Path, reference: list[str], always_restore: CostModel
 ) -> None:
     # restores forced: a GPU build's cost model may serve the repeats cold instead
     settings = l3_settings(store, l1={"enabled": False}, l2={"budget": "256MiB"})
-    llm = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
+    llm = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=N_CTX,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=always_restore,
+    )
     try:
         disk, ram = llm.prefix_cache.disk, llm.prefix_cache.ram
         assert disk is not None and ram is not None
@@ -581,11 +588,17 @@ def test_truncated_and_deleted_page_files_fail_open(
     golden: dict[str, Any],
     store: Path,
     reference: list[str],
-    restores_always_pay: None,
+    always_restore: CostModel,
 ) -> None:
     # restores forced: a GPU build's cost model may decline a restore, then no damaged page is read
     settings = l3_settings(store, l1={"enabled": False})
-    llm = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
+    llm = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=N_CTX,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=always_restore,
+    )
     try:
         disk = llm.prefix_cache.disk
         assert disk is not None

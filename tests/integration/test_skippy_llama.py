@@ -9,6 +9,7 @@ import pytest
 from modelhelpers import TEXT, CountingLlama, aligned, short_of_a_boundary
 
 from skippy_llama.config import Settings
+from skippy_llama.costs import CostModel
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.workload import SYSTEM_PROMPT
@@ -42,9 +43,15 @@ def _interleaved(llm: object, max_tokens: int = 24) -> list[str]:
 
 def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     smollm2_path: Path,
-    restores_always_pay: None,  # on a GPU, L1 may serve a short prompt cold where that is faster
+    always_restore: CostModel,  # on a GPU, L1 may serve a short prompt cold where that is faster
 ) -> None:
-    skippy = SkippyLlama(str(smollm2_path), n_ctx=2048, verbose=False, cache_settings=Settings())
+    skippy = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=2048,
+        verbose=False,
+        cache_settings=Settings(),
+        cost_model=always_restore,
+    )
     # where reuse ends on canonical batch boundaries, only a reply that crosses one past the
     # shared system prompt is repaired: at 24 tokens none does with a 64-token granule (turn 2's
     # prompts end 2 short of a boundary, but their exact part ends at the shared prefix), so

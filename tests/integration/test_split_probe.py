@@ -4,7 +4,7 @@ On the CPU with flash attention off, SmolLM2 Q4_1 gives every token the same res
 prompt is split, but Gemma 3 270M Q4_K_M does not (its weights are repacked for the CPU and its
 kernels take a batch's columns in groups): an L1 hit reused after 107 tokens answered with logits
 up to 1.12 away from a cold prefill's, its argmax changed (measured before the probe). The load
-time probe (``SkippyLlama._split_invariant``) must keep any-token reuse for the first and end
+time probe (``runtime.probes.split_invariant``) must keep any-token reuse for the first and end
 reuse on ``n_ubatch`` boundaries for the second, where every answer then equals a cold one.
 """
 
@@ -19,6 +19,7 @@ import pytest
 from modelhelpers import cold_logits, last_logits
 
 from skippy_llama.config import Settings
+from skippy_llama.runtime import probes as runtime_probes
 from skippy_llama.runtime import split_verdicts
 from skippy_llama.runtime.llama import SkippyLlama
 
@@ -50,13 +51,13 @@ def test_a_split_invariant_model_reuses_any_token_boundary(smollm2_path: Path) -
 def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
     """The n_ubatch of each probe run, with empty verdict memos (this process's and the disk's)."""
     runs: list[int] = []
-    probe = SkippyLlama._probe_split
+    probe = runtime_probes._probe_split
 
-    def counted(self: SkippyLlama) -> bool:
-        runs.append(int(self.context_params.n_ubatch))
-        return probe(self)
+    def counted(llm: SkippyLlama) -> bool:
+        runs.append(int(llm.context_params.n_ubatch))
+        return probe(llm)
 
-    monkeypatch.setattr(SkippyLlama, "_probe_split", counted)
+    monkeypatch.setattr(runtime_probes, "_probe_split", counted)
     monkeypatch.setattr(split_verdicts, "_verdicts", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     return runs

@@ -7,6 +7,7 @@ reuses the tokens before the branch and records only its own; nothing is stored 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from statefixtures import Spec, build_state, make_content
 from skippy_llama.cache import PrefixCache
 from skippy_llama.config import L3Settings
 from skippy_llama.identity import CacheIdentity, ModelIdentity
+from skippy_llama.plan import PageRef, Prompt, RestoreOutcome, RestorePlan
 from skippy_llama.state import assemble, page_from_bytes, parse_state
 from skippy_llama.tiers.disk import DiskTier
 
@@ -50,7 +52,7 @@ def cache(tmp_path: Path) -> Iterator[PrefixCache]:
         mode="fixed", budget="1GiB", directory=tmp_path / "l3", minimum_free="1GiB"
     )
     disk = DiskTier(settings, disk_free=lambda _p: 1 << 40, close_at_exit=False)
-    yield PrefixCache(identity=IDENTITY, page_tokens=128, resident=None, disk=disk)
+    yield PrefixCache(identity=IDENTITY, page_tokens=128, tiers=[disk])
     disk.close()
 
 
@@ -61,9 +63,33 @@ def record(cache: PrefixCache, tokens: np.ndarray) -> None:
     assert cache.disk is not None and cache.disk.flush(10)
 
 
+@dataclass(frozen=True)
+class Found:
+    tier: str
+    n_tokens: int
+    payloads: tuple[bytes | memoryview, ...]
+    uses: tuple[int, ...]
+
+
+def lookup(cache: PrefixCache, tokens: np.ndarray, limit: int, granule: int = 1) -> Found:
+    """What the runtime's seam does with a plan's pages, without llama.cpp: plan, fetch, commit."""
+    request = Prompt(tokens=tokens, limit=limit, granule=granule)
+    plan = cache.plan(request)
+    fetched, short = cache.fetch(plan)
+    assert short is None
+    outcome = RestoreOutcome(plan, restored=bool(fetched), fetched=tuple(fetched))
+    cache.commit(plan, outcome, request)
+    return Found(
+        outcome.tier,
+        plan.n_tokens,
+        tuple(page.payload for page in fetched),
+        tuple(page.used for page in plan.pages),
+    )
+
+
 def served(cache: PrefixCache, tokens: np.ndarray, limit: int) -> tuple[int, tuple[int, ...]]:
     """Tokens a lookup serves from L3 and how many of each page; checks the restored bytes."""
-    found = cache.lookup(tokens, limit, live=0)
+    found = lookup(cache, tokens, limit)
     if found.n_tokens:
         pages = [
             page_from_bytes(p).head(n) for p, n in zip(found.payloads, found.uses, strict=True)
@@ -142,41 +168,37 @@ def test_a_record_planned_while_the_previous_one_is_queued_reuses_its_pages(
     assert served(cache, b, 318) == (318, (128, 128, 24, 38))
 
 
-def test_a_lookup_result_cut_to_fewer_tokens_keeps_whole_pages_then_a_head() -> None:
-    from skippy_llama.cache import LookupResult
-
-    found = LookupResult("l3", 300, payloads=(b"a", b"b", b"c"), uses=(128, 128, 44))
-    assert found.truncated(400) is found
-    cut = found.truncated(200)
-    assert (cut.tier, cut.n_tokens, cut.payloads, cut.uses) == ("l3", 200, (b"a", b"b"), (128, 72))
-    assert found.truncated(0).tier == "cold" and found.truncated(0).payloads == ()
-    resident = LookupResult("l1", 90, seq_id=2).truncated(64)
-    assert (resident.tier, resident.n_tokens, resident.seq_id) == ("l1", 64, 2)
+def test_a_plan_cut_to_fewer_tokens_keeps_whole_pages_then_a_head() -> None:
+    pages = tuple(PageRef("l3", bytes([i]) * 16, used) for i, used in enumerate((128, 128, 44)))
+    plan = RestorePlan("l3", 300, 0, pages=pages)
+    assert plan.truncated(400) is plan
+    cut = plan.truncated(200)
+    assert (cut.tier, cut.n_tokens, [p.used for p in cut.pages]) == ("l3", 200, [128, 72])
+    # an append plan's first page counts the cells below its L1 base too
+    append = RestorePlan("l3", 300, 100, pages=pages[1:], base_tokens=172, floor=172)
+    assert [p.used for p in append.truncated(260).pages] == [128, 4]
 
 
 def test_a_restore_the_measured_costs_say_is_slower_than_a_prefill_is_skipped(
     cache: PrefixCache,
 ) -> None:
-    from skippy_llama.admission import AdmissionPolicy
-
     tokens = prompt(300, 300, seed=1)
     record(cache, tokens)
     assert cache.disk is not None
     cache.disk.flush()
-    cache.admission = AdmissionPolicy()
-    cache.bytes_per_token = STATE.layout.bytes_per_token
-    assert cache.lookup(tokens, 298, 0).tier == "l3"  # nothing measured yet: restore
-    costs = cache.admission.costs
+    cache.planner.bytes_per_token = STATE.layout.bytes_per_token
+    assert lookup(cache, tokens, 298).tier == "l3"  # nothing measured yet: restore
+    costs = cache.costs
     costs.observe_prefill(1000, 0.001)  # 1 µs a token
     costs.observe_restore(1 << 20, 1.0)  # 1 s a MiB: far slower
-    slow = cache.lookup(tokens, 298, 0)
+    slow = lookup(cache, tokens, 298)
     assert (slow.tier, slow.n_tokens) == ("cold", 0)
-    assert cache.counters.restores_skipped == 1
-    fast = AdmissionPolicy()
-    fast.costs.observe_prefill(1000, 10.0)
-    fast.costs.observe_restore(1 << 20, 1e-6)
-    cache.admission = fast
-    assert cache.lookup(tokens, 298, 0).tier == "l3"
+    # counted as what served (a miss) and as a skipped restore, never as an L3 hit
+    assert cache.counters.restores_skipped == 1 and cache.counters.hits["l3"] == 1
+    assert cache.counters.misses == 1
+    costs.prefill_seconds_per_token = 10.0 / 1000
+    costs.restore_seconds_per_byte = 1e-6 / (1 << 20)
+    assert lookup(cache, tokens, 298).tier == "l3"
 
 
 def test_a_lookup_serves_whole_granules_and_counts_only_what_it_serves(
@@ -185,7 +207,7 @@ def test_a_lookup_serves_whole_granules_and_counts_only_what_it_serves(
     record(cache, prompt(300, 600, seed=1))
     branch = prompt(300, 600, seed=2)  # shares 300 tokens: two whole pages and 44 of the third
     assert served(cache, branch, 599)[0] == 300
-    found = cache.lookup(branch, 599, live=0, granule=64)
+    found = lookup(cache, branch, 599, granule=64)
     assert found.n_tokens == 256 and found.uses == (128, 128)  # the third page is not read
     assert bytes(assemble([page_from_bytes(p) for p in found.payloads], STATE.layout)) == bytes(
         build_state(CONTENT, 256).data
@@ -193,7 +215,7 @@ def test_a_lookup_serves_whole_granules_and_counts_only_what_it_serves(
     hits = cache.counters.hits["l3"]
     # a hit shorter than one granule is a miss: not counted, nothing read
     short = prompt(50, 600, seed=3)
-    found = cache.lookup(short, 599, live=0, granule=64)
+    found = lookup(cache, short, 599, granule=64)
     assert found.tier == "cold" and found.n_tokens == 0 and not found.payloads
     assert cache.counters.hits["l3"] == hits
     assert served(cache, short, 599)[0] == 50  # token-granular, the same lookup hits
@@ -201,31 +223,33 @@ def test_a_lookup_serves_whole_granules_and_counts_only_what_it_serves(
 
 def test_l2_restores_are_weighed_at_their_own_rate(tmp_path: Path) -> None:
     """A slow L3 rate must not refuse a hit served wholly from L2 (host RAM), and the reverse."""
-    from skippy_llama.admission import AdmissionPolicy
     from skippy_llama.tiers.ram import RamTier
 
     settings = L3Settings(
         mode="fixed", budget="1GiB", directory=tmp_path / "l3", minimum_free="1GiB"
     )
     disk = DiskTier(settings, disk_free=lambda _p: 1 << 40, close_at_exit=False)
-    ram = RamTier(64 << 20, large_prefix_tokens=1)  # a first fill is promoted
-    cache = PrefixCache(identity=IDENTITY, page_tokens=128, resident=None, disk=disk, ram=ram)
+    ram = RamTier(64 << 20, source=disk, large_prefix_tokens=1)  # a first fill is promoted
+    cache = PrefixCache(
+        identity=IDENTITY,
+        page_tokens=128,
+        tiers=[ram, disk],
+        bytes_per_token=STATE.layout.bytes_per_token,
+    )
     try:
-        cache.admission = AdmissionPolicy()
-        cache.bytes_per_token = STATE.layout.bytes_per_token
         tokens = prompt(300, 300, seed=1)
         record(cache, tokens)
-        costs = cache.admission.costs
+        costs = cache.costs
         costs.observe_prefill(1000, 0.001)  # 1 µs a token
         costs.observe_restore(1 << 20, 1e-6)  # L3 fast for now
-        assert cache.lookup(tokens, 298, 0).tier == "l3"  # the pages are now in L2 too
+        assert lookup(cache, tokens, 298).tier == "l3"  # the pages are now in L2 too
         costs.restore_seconds_per_byte = 1.0 / (1 << 20)  # L3 now 1 s a MiB: far slower
-        assert cache.lookup(tokens, 298, 0).tier == "l2"  # L2 not measured yet: restore
+        assert lookup(cache, tokens, 298).tier == "l2"  # L2 not measured yet: restore
         costs.observe_restore(1 << 20, 1e-6, ram=True)
-        assert cache.lookup(tokens, 298, 0).tier == "l2"
+        assert lookup(cache, tokens, 298).tier == "l2"
         assert cache.counters.restores_skipped == 0
         costs.ram_restore_seconds_per_byte = 1.0 / (1 << 20)
-        assert cache.lookup(tokens, 298, 0).tier == "cold"
+        assert lookup(cache, tokens, 298).tier == "cold"
         assert cache.counters.restores_skipped == 1
     finally:
         disk.close()

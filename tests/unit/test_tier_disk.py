@@ -651,7 +651,7 @@ def test_removal_listener_invalidates_l2(open_tier: Any) -> None:
     key = rec.pages[0].key
     digest = tier.digest(key)
     assert digest is not None
-    assert ram.offer(key, payload, digest, prefix_tokens=5000)
+    assert ram.fill(key, payload, digest, prefix_tokens=5000)
     assert ram.get(key, tier.digest(key)) == payload
     tier.clear()
     assert key not in ram

@@ -74,6 +74,10 @@ class DiskTier:
             kept in the store: loaded at open, saved by the writer (``learned.py``).
     """
 
+    #: the page-tier protocol (tiers/base.py): L3 takes the runtime's records
+    name = "l3"
+    takes_records = True
+
     def __init__(
         self,
         settings: L3Settings,
@@ -293,6 +297,21 @@ class DiskTier:
         if self._parts.rw_ok:
             self._writer.start()  # stores the hits
         return result.pages
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        """:meth:`contains` under the page-tier protocol's name."""
+        return self.contains(key, queued=queued)
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
+        """:meth:`read` under the page-tier protocol's name."""
+        return self.read(keys)
+
+    def offer(self, record: PrefixRecord) -> bool:
+        """:meth:`record` under the page-tier protocol's name."""
+        return self.record(record)
+
+    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+        """L3 is the deepest local tier: nothing is promoted into it."""
 
     def record(self, rec: PrefixRecord) -> bool:
         """Queue ``rec`` for the background writer; never waits on disk. False (counted) when

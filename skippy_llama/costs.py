@@ -1,0 +1,156 @@
+"""The cost model: what a prefill, a restore and a checkpoint take on this machine (pure).
+
+Every gate of the restore planner (:mod:`skippy_llama.plan`) and L3's admission ask this one
+model, so each rate has one estimator, fed at one point:
+
+- ``prefill_seconds_per_token``: every prefill the runtime times (short ones are ignored: fixed
+  per-call costs would dominate the rate);
+- ``restore_seconds_per_byte`` / ``ram_restore_seconds_per_byte``: restores of L3 / L2 pages;
+- ``checkpoint_restore_seconds`` / ``park_seconds``: L1 device checkpoints, whose state calls
+  have a fixed cost that does not shrink with the prefix on GPU builds (measured on an H200:
+  ~60 ms for 64 or 4,096 tokens, one synchronized copy per layer's K and V).
+
+Until a rate is measured its rule answers yes (restore, park): that is how it gets measured.
+Replace the model to change the rules: :class:`AlwaysRestore` restores and parks whenever the
+tiers can, whatever the measurements say (tests of which tier serves a prompt use it; an
+operator can too).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+#: Weight of a new observation in the moving averages; 0.2 follows a change within ~10 samples
+#: without letting one noisy timing (a page-cache miss, a busy core) swing the decision.
+DEFAULT_ALPHA = 0.2
+#: Prefills shorter than this are not timed: fixed per-call costs would dominate the rate.
+MIN_PREFILL_TOKENS = 16
+
+
+class CostModel:
+    """Exponentially weighted moving averages of this machine's prefill and restore costs.
+
+    Thread-safe: the L3 writer reads it while the request thread feeds it.
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.prefill_seconds_per_token: float | None = None
+        #: restores that read L3 page files (what admission and eviction weigh, and what the
+        #: store keeps across restarts)
+        self.restore_seconds_per_byte: float | None = None
+        #: restores served wholly from L2's host RAM: several times faster than L3 on a GPU
+        #: build, so one shared rate would make L3's cost refuse L2 hits that beat a prefill
+        self.ram_restore_seconds_per_byte: float | None = None
+        #: one L1 device-checkpoint restore, and one park (checkpoint) of a prefix
+        self.checkpoint_restore_seconds: float | None = None
+        self.park_seconds: float | None = None
+        self._lock = threading.Lock()
+
+    def _ewma(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.alpha * (sample - old)
+
+    @staticmethod
+    def _valid(seconds: float) -> bool:
+        return seconds >= 0 and math.isfinite(seconds)
+
+    # -- observations ---------------------------------------------------------------------
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` prompt tokens took ``seconds`` (short ones are ignored)."""
+        if tokens < MIN_PREFILL_TOKENS or not self._valid(seconds):
+            return
+        with self._lock:
+            self.prefill_seconds_per_token = self._ewma(
+                self.prefill_seconds_per_token, seconds / tokens
+            )
+
+    def observe_restore(self, n_bytes: int, seconds: float, *, ram: bool = False) -> None:
+        """A restore (read + assemble + set_data) of ``n_bytes`` of pages took ``seconds``;
+        ``ram``: every page came from L2."""
+        if n_bytes <= 0 or not self._valid(seconds):
+            return
+        with self._lock:
+            if ram:
+                self.ram_restore_seconds_per_byte = self._ewma(
+                    self.ram_restore_seconds_per_byte, seconds / n_bytes
+                )
+            else:
+                self.restore_seconds_per_byte = self._ewma(
+                    self.restore_seconds_per_byte, seconds / n_bytes
+                )
+
+    def observe_checkpoint_restore(self, seconds: float) -> None:
+        """Restoring one L1 checkpoint into the working sequence took ``seconds``."""
+        if self._valid(seconds):
+            with self._lock:
+                self.checkpoint_restore_seconds = self._ewma(
+                    self.checkpoint_restore_seconds, seconds
+                )
+
+    def observe_park(self, seconds: float) -> None:
+        """Checkpointing one prefix took ``seconds``."""
+        if self._valid(seconds):
+            with self._lock:
+                self.park_seconds = self._ewma(self.park_seconds, seconds)
+
+    # -- estimates ------------------------------------------------------------------------
+
+    @property
+    def measured(self) -> bool:
+        """True once both a prefill and an L3 restore have been observed."""
+        return (
+            self.prefill_seconds_per_token is not None and self.restore_seconds_per_byte is not None
+        )
+
+    def cold_cost(self, tokens: int) -> float | None:
+        """Estimated seconds to prefill ``tokens`` from scratch, or None before any measurement."""
+        rate = self.prefill_seconds_per_token
+        return None if rate is None else rate * tokens
+
+    def restore_cost(self, n_bytes: int, *, ram: bool = False) -> float | None:
+        """Estimated seconds to restore ``n_bytes`` of pages (``ram``: all from L2), or None
+        before any such restore was measured."""
+        rate = self.ram_restore_seconds_per_byte if ram else self.restore_seconds_per_byte
+        return None if rate is None else rate * n_bytes
+
+    # -- the rules the planner asks -------------------------------------------------------
+
+    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, ram: bool = False) -> bool:
+        """Whether restoring ``moved_bytes`` of pages beats prefilling the ``saved_tokens`` the
+        restore spares (True until both are measured)."""
+        restore = self.restore_cost(moved_bytes, ram=ram)
+        cold = self.cold_cost(saved_tokens)
+        return restore is None or cold is None or restore < cold
+
+    def checkpoint_pays(self, saved_tokens: int) -> bool:
+        """Whether a checkpoint restore that spares prefilling ``saved_tokens`` beats it."""
+        rate, restore = self.prefill_seconds_per_token, self.checkpoint_restore_seconds
+        if rate is None or restore is None:
+            return True
+        return restore < rate * saved_tokens
+
+    def park_pays(self, n_tokens: int) -> bool:
+        """Whether keeping an ``n_tokens`` prefix resident can ever repay its park and restore."""
+        rate = self.prefill_seconds_per_token
+        restore, park = self.checkpoint_restore_seconds, self.park_seconds
+        if rate is None or restore is None or park is None:
+            return True
+        return park + restore < rate * n_tokens
+
+
+class AlwaysRestore(CostModel):
+    """A cost model whose rules always answer yes: every hit is restored and every prefix
+    parked that the tiers can hold. It still measures, so admission and status see the rates."""
+
+    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, ram: bool = False) -> bool:
+        return True
+
+    def checkpoint_pays(self, saved_tokens: int) -> bool:
+        return True
+
+    def park_pays(self, n_tokens: int) -> bool:
+        return True

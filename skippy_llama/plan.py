@@ -1,0 +1,305 @@
+"""The restore planner: one frozen plan per prompt, every gate in one place (pure, no llama.cpp).
+
+A prompt's tokens and the live working sequence go in (:class:`Prompt`); one
+:class:`RestorePlan` comes out: which live cells to keep, whether to checkpoint the live
+sequence first, the L1 checkpoint or the pages (per tier) to restore, where the suffix starts,
+and why this plan won. Every gate lives here: the canonical granule, ``logits_all``, the sliding
+window, the L1 cost rule, the L2/L3 cost rule. A step that fails while the runtime executes a plan
+asks the same planner again with the failed tiers excluded (``exclude``): the next-shallower plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .costs import CostModel
+from .tiers.base import PageTier, ResidentTier, Tier, Tokens, common_prefix, walk
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the planner knows of a prompt and of the working sequence it would continue.
+
+    Attributes:
+        tokens: the prompt.
+        limit: tokens that may be reused (the runtime decodes the last ones whatever is cached).
+        live: the tokens of the working sequence's exact cells.
+        live_cells: cells the working sequence holds (exact or not).
+        granule: reused prefixes end at multiples of this (the canonical batch boundary).
+        scored: with ``logits_all``, the cells whose logits rows this context computed (only
+            those are reused, from the live sequence alone); None otherwise.
+        sliding_window: the model has a sliding-window cache (cut back inside its cells, its
+            continuation differs from a cold one).
+        can_append: the runtime can continue an L1 prefix with pages (append import).
+    """
+
+    tokens: Tokens
+    limit: int
+    live: Tokens = field(default_factory=lambda: np.zeros(0, np.int32))
+    live_cells: int = 0
+    granule: int = 1
+    scored: int | None = None
+    sliding_window: bool = False
+    can_append: bool = False
+
+    def aligned(self, n: int) -> int:
+        return n - n % self.granule
+
+    def without_live(self) -> Prompt:
+        """The same prompt after the working sequence was cleared."""
+        return dataclasses.replace(self, live=self.live[:0], live_cells=0)
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """One page of a plan: fetched from ``tier``; its first ``used`` tokens are restored."""
+
+    tier: str
+    key: bytes
+    used: int
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """How a prompt's prefix gets into the working sequence.
+
+    Attributes:
+        tier: what serves: ``l1`` (the live sequence or a checkpoint), a page tier's name, or
+            ``cold``.
+        n_tokens: cached tokens after the plan; the suffix is prefilled from here.
+        keep: live cells kept as they are (the rest of the working sequence is dropped).
+        park: checkpoint the live sequence before it is left (the prompt leaves it).
+        seq_id: the L1 checkpoint to copy, if any.
+        pages: the pages to fetch and restore, in order.
+        base_tokens: for an append plan, the tokens kept from the live sequence (``seq_id`` None)
+            or the checkpoint ``seq_id`` below the pages; 0 for a plan that rebuilds the prefix.
+        floor: the depth a shallower plan offered (what a failed page plan falls back to).
+        limit: the reusable bound the plan was made for (granule-aligned).
+        expected_s / cold_s: the cost model's estimate of the restore and of prefilling the
+            tokens it saves (None where unmeasured).
+        reason: why this plan won.
+        skipped: deeper tiers whose hits the cost model rejected.
+        searched: page tiers that were searched and held no page of the prompt.
+    """
+
+    tier: str
+    n_tokens: int
+    keep: int
+    park: bool = False
+    seq_id: int | None = None
+    pages: tuple[PageRef, ...] = ()
+    base_tokens: int = 0
+    floor: int = 0
+    limit: int = 0
+    expected_s: float | None = None
+    cold_s: float | None = None
+    reason: str = ""
+    skipped: tuple[str, ...] = ()
+    searched: tuple[str, ...] = ()
+
+    @property
+    def appended_tokens(self) -> int:
+        """Tokens an append plan takes from pages (0 for other plans)."""
+        return self.n_tokens - self.base_tokens if self.base_tokens else 0
+
+    @property
+    def page_tiers(self) -> tuple[str, ...]:
+        """The tiers the pages come from, each once, in order."""
+        return tuple(dict.fromkeys(page.tier for page in self.pages))
+
+    def truncated(self, n: int) -> RestorePlan:
+        """The same plan cut to ``n`` tokens (a short fetch; ``n`` above ``floor``)."""
+        if n >= self.n_tokens:
+            return self
+        # page tokens count from each page's start: an append's first page includes cells
+        # below base_tokens that are skipped
+        left = n - self.n_tokens + sum(page.used for page in self.pages)
+        pages: list[PageRef] = []
+        for page in self.pages:
+            if left <= 0:
+                break
+            pages.append(dataclasses.replace(page, used=min(page.used, left)))
+            left -= pages[-1].used
+        return dataclasses.replace(self, n_tokens=n, pages=tuple(pages))
+
+
+class Planner:
+    """Plans restores across an ordered list of tiers with one cost model."""
+
+    def __init__(
+        self,
+        root: bytes,
+        page_tokens: int,
+        tiers: Sequence[Tier],
+        costs: CostModel,
+        bytes_per_token: int = 0,
+    ) -> None:
+        self.root = root
+        self.page_tokens = page_tokens
+        self.tiers = tuple(tiers)
+        self.costs = costs
+        self.bytes_per_token = bytes_per_token
+
+    def _resident(self, exclude: frozenset[str]) -> ResidentTier | None:
+        for tier in self.tiers:
+            if isinstance(tier, ResidentTier) and tier.name not in exclude:
+                return tier
+        return None
+
+    def page_tiers(self, exclude: frozenset[str] = frozenset()) -> list[PageTier]:
+        """The serving page tiers, cheapest first."""
+        return [
+            t for t in self.tiers if isinstance(t, PageTier) and t.name not in exclude and t.serving
+        ]
+
+    def plan(self, prompt: Prompt, *, exclude: frozenset[str] = frozenset()) -> RestorePlan:
+        """The best plan for ``prompt``, leaving out the tiers named in ``exclude``."""
+        tokens = prompt.tokens
+        limit = prompt.aligned(prompt.limit)
+        exact = len(prompt.live)
+        live = prompt.aligned(common_prefix(prompt.live, tokens[: prompt.limit]))
+        if prompt.scored is not None:
+            # every prompt token's logits row may be read (llm.scores, prompt logprobs), and
+            # cells restored from any tier came without theirs: only cells this context decoded
+            # are reused, as plain Llama would; a prompt that leaves them is not parked
+            live = min(live, prompt.scored)
+            return RestorePlan(
+                "l1" if live else "cold", live, live, limit=limit, reason="logits_all: live only"
+            )
+        reason = "live sequence" if live else "nothing cached"
+        if prompt.sliding_window and 0 < live < prompt.live_cells:
+            # a sliding-window cache cut back inside its cells continued with logits off by up
+            # to 0.93 on Gemma 3 (plain Llama's prefix reuse too): when in doubt, prefill cold
+            live, reason = 0, "sliding window: the live sequence cannot be cut"
+        resident = self._resident(exclude)
+        base = RestorePlan(
+            "l1" if live else "cold",
+            live,
+            live,
+            park=live < exact and resident is not None,
+            limit=limit,
+            reason=reason,
+        )
+        best = base
+        skipped: list[str] = []
+        if resident is not None and limit > live:
+            hit = resident.match(self.root, tokens, limit)
+            n = prompt.aligned(hit.n_tokens) if hit is not None else 0
+            if hit is not None and n > live:
+                best = dataclasses.replace(
+                    base, tier="l1", n_tokens=n, seq_id=hit.seq_id, reason="resident checkpoint"
+                )
+        best = self._pages(prompt, limit, best, exclude, skipped)
+        if best.seq_id is not None and not best.pages:
+            saved = best.n_tokens - live
+            if not self.costs.checkpoint_pays(saved):
+                # on this machine a checkpoint restore costs more than the prefill it saves
+                skipped.append("l1")
+                best = base
+            else:
+                best = dataclasses.replace(
+                    best,
+                    expected_s=self.costs.checkpoint_restore_seconds,
+                    cold_s=self.costs.cold_cost(saved),
+                )
+        return dataclasses.replace(best, skipped=tuple(skipped))
+
+    def _pages(
+        self,
+        prompt: Prompt,
+        limit: int,
+        best: RestorePlan,
+        exclude: frozenset[str],
+        skipped: list[str],
+    ) -> RestorePlan:
+        """``best`` or a deeper plan from the page tiers."""
+        tiers = self.page_tiers(exclude)
+        floor = best.n_tokens
+        if not tiers or limit - floor < 1:
+            return best
+        path = walk(tiers, self.root, prompt.tokens, limit, self.page_tokens)
+        usable = prompt.aligned(path.n_tokens)
+        if usable <= floor:
+            if not path.steps:
+                best = dataclasses.replace(best, searched=tuple(t.name for t in tiers))
+            return best
+        # each page from the cheapest tier that holds it
+        sources = [next((t for t in tiers if t.holds(s.key)), tiers[-1]) for s in path.steps]
+        deepest = max(sources, key=tiers.index).name
+        append = prompt.can_append and floor > 0
+        moved = usable - floor if append else usable
+        ram = deepest == "l2"
+        if not self.costs.pages_pay(moved * self.bytes_per_token, usable - floor, ram=ram):
+            skipped.append(deepest)
+            return best
+        pages: list[PageRef] = []
+        skipped_tokens, left = 0, usable
+        for step, source in zip(path.steps, sources, strict=True):
+            if left <= 0:
+                break
+            used = min(step.used, left)
+            left -= used
+            if append and skipped_tokens + used <= floor:
+                skipped_tokens += used  # wholly inside the L1 prefix: never read
+                continue
+            pages.append(PageRef(source.name, step.key, used))
+        plan = dataclasses.replace(
+            best,
+            tier=deepest,
+            n_tokens=usable,
+            pages=tuple(pages),
+            base_tokens=floor if append else 0,
+            seq_id=best.seq_id if append else None,
+            floor=floor,
+            expected_s=self.costs.restore_cost(moved * self.bytes_per_token, ram=ram),
+            cold_s=self.costs.cold_cost(usable - floor),
+            reason=f"{len(pages)} pages from {', '.join(dict.fromkeys(p.tier for p in pages))}",
+        )
+        return plan
+
+
+@dataclass(frozen=True)
+class FetchedPage:
+    """A page a plan fetched: its key, bytes and the tier that served it."""
+
+    tier: str
+    key: bytes
+    payload: bytes | memoryview
+    used: int
+
+
+@dataclass
+class RestoreOutcome:
+    """What executing a plan did (the runtime's KV seam fills it in).
+
+    Attributes:
+        plan: the plan that served: the planned one, cut short, or a shallower fallback.
+        restored: cells were written into the working sequence (a checkpoint or pages), so the
+            runtime adopts the prompt's first ``plan.n_tokens`` tokens; False when only live
+            cells were kept.
+        restored_bytes: state bytes loaded from pages.
+        restore_s: seconds spent fetching and restoring.
+        fetched: the pages restored (the cache promotes those from deeper tiers).
+        fallbacks: why a step was abandoned, for the request's ``CacheEvent``.
+        faults: the same as counter keys (``step: ExceptionType`` or ``l3_short_read``).
+    """
+
+    plan: RestorePlan
+    restored: bool = False
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    fetched: tuple[FetchedPage, ...] = ()
+    fallbacks: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+
+    @property
+    def tier(self) -> str:
+        return self.plan.tier if self.plan.n_tokens > 0 else "cold"
+
+    @property
+    def n_tokens(self) -> int:
+        return self.plan.n_tokens

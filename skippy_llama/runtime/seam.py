@@ -1,0 +1,270 @@
+"""The KV seam: the one caller of llama.cpp's state and sequence calls (``native``, ``native_ext``).
+
+It executes a :class:`~skippy_llama.plan.RestorePlan` on the working sequence and says what it
+did (:class:`~skippy_llama.plan.RestoreOutcome`); parks, captures and probes go through it too.
+Stock state calls everywhere; the patched range export and append import where the roster
+certifies them. A step that fails is turned into the next-shallower plan, asked of the same
+planner: executing a plan never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..cache import PrefixCache
+from ..errors import StateFormatError, TierError
+from ..hostmem import BufferPool, HostBuffer
+from ..plan import FetchedPage, Prompt, RestoreOutcome, RestorePlan
+from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
+from . import native, native_ext
+
+log = logging.getLogger("skippy_llama")
+
+WORKING_SEQ = 0
+#: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
+SCRATCH_SEQ = 1
+
+
+def backend_name() -> str:
+    """The llama.cpp backend that holds the KV cache (``CPU``, ``CUDA`` ...)."""
+    return native.backend_name()
+
+
+def registered_backends() -> list[str]:
+    return native.registered_backends()
+
+
+class KVSeam:
+    """llama.cpp state and sequence calls on one context's working sequence.
+
+    Args:
+        ctx: the ``llama_context`` pointer.
+        buffers: the host buffers restores and captures reuse.
+        on_device: L1 checkpoints live on the device that holds the cache (float K/V); False
+            keeps them in host memory (quantized K/V, see ``SkippyLlama``).
+    """
+
+    def __init__(self, ctx: Any, buffers: BufferPool, *, on_device: bool) -> None:
+        self.ctx = ctx
+        self.buffers = buffers
+        self.on_device = on_device
+
+    # -- the working sequence ---------------------------------------------------------------
+
+    def live_cells(self) -> int:
+        """Cells the working sequence holds (its highest position + 1)."""
+        return native.seq_pos_max(self.ctx, WORKING_SEQ) + 1
+
+    def cut(self, start: int = 0) -> None:
+        """Remove the working sequence's cells from position ``start`` on (all by default)."""
+        native.seq_rm(self.ctx, WORKING_SEQ, start if start > 0 else -1, -1)
+
+    def state(self) -> bytes:
+        """The working sequence's whole state (the probes compare it)."""
+        return bytes(native.get_seq_state(self.ctx, WORKING_SEQ))
+
+    def last_logits(self, n_vocab: int) -> npt.NDArray[np.float32]:
+        return native.last_logits(self.ctx, n_vocab)
+
+    def layout_from_cell(self) -> KVLayout:
+        """The KV layout, read from one cell of the (non-empty) working sequence."""
+        return parse_layout(native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, 0, 1))
+
+    def layout_from_state(self) -> KVLayout:
+        """The KV layout of the working sequence's whole state (sliding-window sections too)."""
+        return parse_layout(native.get_seq_state(self.ctx, WORKING_SEQ))
+
+    def capture(self, start: int, end: int, *, range_export: bool) -> memoryview:
+        """The working sequence's cells at positions ``[start, end)``, in the stock format, in
+        a buffer taken from the pool (``view.obj``; the caller gives it back).
+
+        The patched range export where the roster certifies it (``range_export``), else the
+        stock path (cells shared with a scratch sequence and serialized from there); both cost
+        O(end - start).
+        """
+        buf = self.buffers.take()
+        view: memoryview | None = None
+        if range_export:
+            try:
+                view = native_ext.range_export(self.ctx, WORKING_SEQ, start, end, buf)
+            except TierError as exc:
+                log.warning("skippy-llama: range export failed (%s); using the stock path", exc)
+        if view is None:
+            try:
+                view = native.capture_range(self.ctx, WORKING_SEQ, SCRATCH_SEQ, start, end, buf)
+            except BaseException:
+                self.buffers.give(buf)
+                raise
+        assert isinstance(view.obj, bytearray | mmap.mmap)
+        if view.obj is not buf:  # outgrown: the call wrote a fresh buffer
+            self.buffers.retire(buf)
+        return view
+
+    # -- L1 checkpoints -----------------------------------------------------------------------
+
+    def park(self, tokens: npt.NDArray[np.int32], cache: PrefixCache) -> bool:
+        """Checkpoint the working sequence's first ``len(tokens)`` cells as a resident prefix,
+        where the cache's planner says it pays and fits; True when parked."""
+        plan = cache.park_plan(tokens)
+        resident = cache.resident
+        if plan is None or resident is None:
+            return False
+        try:
+            for slot in plan.evict:
+                if slot != plan.seq_id and self.on_device:
+                    # a slot keeps its buffers until its next checkpoint: shrink it to one cell
+                    native.checkpoint(self.ctx, WORKING_SEQ, slot, 1)
+            started = time.perf_counter()
+            handle = native.checkpoint(
+                self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens, on_device=self.on_device
+            )
+            cache.costs.observe_park(time.perf_counter() - started)
+        except BaseException:
+            resident.abandon_park(plan)
+            raise
+        cache.commit_park(plan, tokens, handle)
+        return True
+
+    # -- executing a plan ---------------------------------------------------------------------
+
+    def execute(
+        self,
+        plan: RestorePlan,
+        prompt: Prompt,
+        cache: PrefixCache,
+        layout: KVLayout | None,
+        *,
+        append: bool = False,
+    ) -> RestoreOutcome:
+        """Carry out ``plan`` on the working sequence, whose first ``plan.keep`` cells hold
+        ``prompt.tokens[:plan.keep]``; fall back to shallower plans on failure. Never raises."""
+        started = time.perf_counter()
+        notes: list[str] = []
+        faults: list[str] = []
+        excluded: set[str] = set()
+        while True:
+            outcome = self._try(plan, prompt, cache, layout, append, notes, faults)
+            if outcome is not None:
+                outcome.fallbacks, outcome.faults = notes, faults
+                outcome.restore_s = time.perf_counter() - started
+                return outcome
+            # the step failed: the next-shallower plan from the same planner
+            excluded.update(plan.page_tiers or ("l1",))
+            if self.live_cells() < plan.keep:
+                prompt = prompt.without_live()
+            plan = cache.plan(prompt, exclude=frozenset(excluded))
+
+    def _try(
+        self,
+        plan: RestorePlan,
+        prompt: Prompt,
+        cache: PrefixCache,
+        layout: KVLayout | None,
+        append: bool,
+        notes: list[str],
+        faults: list[str],
+    ) -> RestoreOutcome | None:
+        if plan.pages:
+            fetched, short = cache.fetch(plan)
+            if short is not None:
+                notes.append(short)
+                faults.append(f"{plan.pages[len(fetched)].tier}_short_read")
+                lost = sum(page.used for page in plan.pages[len(fetched) :])
+                if plan.n_tokens - lost <= plan.floor:
+                    return None  # a shallower plan does at least as well; nothing was touched
+                plan = plan.truncated(plan.n_tokens - lost)
+            try:
+                size = self._load_pages(plan, fetched, cache, layout, append)
+            except Exception as exc:
+                return self._failed(plan.tier, exc, notes, faults)
+            return RestoreOutcome(plan, restored=True, restored_bytes=size, fetched=tuple(fetched))
+        if plan.seq_id is not None:
+            try:
+                self._copy_checkpoint(plan, cache)
+            except Exception as exc:
+                resident = cache.resident
+                if resident is not None:
+                    resident.remove(plan.seq_id)
+                return self._failed("l1", exc, notes, faults)
+            return RestoreOutcome(plan, restored=True)
+        return RestoreOutcome(plan)
+
+    def _failed(
+        self, step: str, exc: Exception, notes: list[str], faults: list[str]
+    ) -> RestoreOutcome | None:
+        """A restore step raised: the working sequence is half-written, so it is cleared."""
+        faults.append(f"{step}: {type(exc).__name__}")
+        notes.append(f"{step}: {exc}")
+        log.warning("skippy-llama: %s failed (%s); continuing without it", step, exc)
+        self.cut()
+        return None
+
+    def _copy_checkpoint(self, plan: RestorePlan, cache: PrefixCache) -> None:
+        """Copy a checkpoint into the working sequence and keep its first ``n_tokens`` cells."""
+        assert plan.seq_id is not None and cache.resident is not None
+        handle = cache.resident.entry(plan.seq_id).handle
+        native.restore_checkpoint(self.ctx, handle, WORKING_SEQ, on_device=self.on_device)
+        native.seq_rm(self.ctx, WORKING_SEQ, plan.n_tokens, -1)
+
+    def _load_pages(
+        self,
+        plan: RestorePlan,
+        fetched: list[FetchedPage],
+        cache: PrefixCache,
+        layout: KVLayout | None,
+        append: bool,
+    ) -> int:
+        """Assemble fetched pages into a blob and restore it into the working sequence;
+        returns the bytes restored.
+
+        An append plan first puts its L1 prefix in place (the live sequence cut to it, or a
+        checkpoint copied on the device) and append-imports only the pages' cells after it;
+        any other plan rebuilds the whole prefix with one ``set_data``.
+        """
+        if layout is None:
+            raise StateFormatError("the KV layout is unknown: pages cannot be assembled")
+        base = plan.base_tokens
+        pages = [
+            page_from_bytes(got.payload).head(want.used)
+            for got, want in zip(fetched, plan.pages, strict=True)
+        ]
+        if base:
+            if not append:
+                raise TierError("an append plan without append import")
+            if not pages or not pages[0].start <= base < pages[0].end:
+                raise StateFormatError("the append plan's first page does not reach past L1")
+            pages[0] = pages[0].span(base, pages[0].end)
+        if base + sum(p.n_tokens for p in pages) != plan.n_tokens:
+            raise StateFormatError("restored pages do not cover the planned prefix")
+        size = assembled_size(pages, layout, start=base)
+        buf: HostBuffer = self.buffers.take(size)
+        try:
+            assemble_into(buf, pages, layout, seq_id=WORKING_SEQ, start=base)
+            if base:
+                self._place_base(plan, cache)
+                if not native_ext.append_import(self.ctx, memoryview(buf)[:size], WORKING_SEQ):
+                    raise TierError("skippy_state_seq_append_data refused the pages")
+            elif not native.set_seq_state(self.ctx, buf, WORKING_SEQ, size):
+                raise TierError("llama_state_seq_set_data refused the blob")
+        finally:
+            self.buffers.give(buf)
+        return size
+
+    def _place_base(self, plan: RestorePlan, cache: PrefixCache) -> None:
+        """Leave exactly the L1 prefix of an append plan in the working sequence."""
+        base = plan.base_tokens
+        if plan.seq_id is not None:
+            resident = cache.resident
+            assert resident is not None
+            handle = resident.entry(plan.seq_id).handle
+            native.restore_checkpoint(self.ctx, handle, WORKING_SEQ, on_device=self.on_device)
+        elif self.live_cells() < base:
+            raise TierError("the live sequence no longer holds the append plan's L1 prefix")
+        # append import continues after the last position: nothing may follow the prefix
+        native.seq_rm(self.ctx, WORKING_SEQ, base, -1)

@@ -1,0 +1,196 @@
+"""The tier protocol: what the planner and the cache ask of every tier, and nothing more.
+
+Two kinds of tier serve a prompt:
+
+- a **resident** tier (L1) holds whole prefixes as device checkpoints of the live context; it
+  answers :meth:`ResidentTier.match` with the slot that holds the longest one, and the runtime's
+  KV seam copies that checkpoint;
+- a **page** tier (L2, L3, a remote store, a test's in-memory dict) holds content-addressed
+  token pages under chain keys (:func:`skippy_llama.identity.chain_key`); the planner walks a
+  prompt's page path through :meth:`PageTier.holds` and :meth:`PageTier.children`, and the cache
+  fetches the chosen pages with :meth:`PageTier.fetch`.
+
+Lookups (``match``, ``holds``, ``children``) change no state; the cache commits what served a
+request afterwards (LRU touches, promotions, counters). ``PrefixCache`` composes an ordered list
+of tiers, cheapest first, built by :mod:`skippy_llama.tiers.factory`: a new tier is a new module
+that implements one of these protocols and registers a factory there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from ..identity import chain_key
+from .records import PrefixRecord
+
+Tokens = npt.NDArray[np.int32]
+Payload = bytes | memoryview
+
+
+def common_prefix(a: Tokens, b: Tokens) -> int:
+    """Length of the common prefix of two token arrays."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+class TierStatus(Protocol):
+    """A tier's status result: anything that renders itself as JSON."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """What every tier offers the cache, the server and the CLI."""
+
+    #: short name, unique in one cache: ``l1``, ``l2``, ``l3``, ``remote`` ...
+    name: str
+
+    def status(self) -> TierStatus:
+        """Budget, usage and counters, as a typed result with ``to_json()``."""
+        ...
+
+    def clear(self) -> Any:
+        """Drop everything the tier holds (what it returns is tier-specific)."""
+        ...
+
+    def close(self) -> None:
+        """Release the tier's resources; pending writes are flushed first."""
+        ...
+
+
+@dataclass(frozen=True)
+class ResidentMatch:
+    """The longest resident prefix of a prompt: ``n_tokens`` cells of checkpoint ``seq_id``."""
+
+    seq_id: int
+    n_tokens: int
+
+
+@runtime_checkable
+class ResidentTier(Tier, Protocol):
+    """L1: prefixes resident as checkpoints of the live context."""
+
+    def match(self, root: bytes, tokens: Tokens, limit: int) -> ResidentMatch | None:
+        """The longest resident prefix of ``tokens[:limit]`` (no side effects)."""
+        ...
+
+    def touch(self, seq_id: int) -> None:
+        """``seq_id`` served a request: it becomes the most recently used."""
+        ...
+
+
+@runtime_checkable
+class PageTier(Tier, Protocol):
+    """A store of content-addressed pages (L2, L3, remote ...)."""
+
+    #: whether the runtime's records (new pages of a prompt) are offered to this tier; a mirror
+    #: such as L2 takes pages only by promotion from a deeper tier
+    takes_records: bool
+
+    @property
+    def serving(self) -> bool:
+        """Whether lookups may use the tier now."""
+        ...
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        """Whether page ``key`` is held (``queued``: pages still waiting to be written count)."""
+        ...
+
+    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+        """Pages stored after node ``parent``: ``(key, tokens as <i4 bytes)``; may be empty for a
+        tier that only finds whole aligned pages by key."""
+        ...
+
+    def fetch(self, keys: Sequence[bytes]) -> list[Payload]:
+        """Verified payloads of the longest prefix of ``keys`` held; never raises."""
+        ...
+
+    def offer(self, record: PrefixRecord) -> bool:
+        """Take a record's new pages (never blocking the request); True when accepted.
+
+        The tier must call ``record.drop()`` (or let its writer release the record) exactly
+        once whatever it decides.
+        """
+        ...
+
+    def promote(self, key: bytes, payload: Payload, prefix_tokens: int) -> None:
+        """A deeper tier served ``payload`` for a prefix of ``prefix_tokens``: keep a copy if
+        the tier's rules say so (a no-op for tiers that are not mirrors)."""
+        ...
+
+    def note_miss(self) -> None:
+        """Count a lookup that found no page of this tier."""
+        ...
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """One stored page on a prompt's path through the page tree, of which ``used`` tokens match."""
+
+    key: bytes
+    parent: bytes
+    n_tokens: int
+    used: int
+
+
+@dataclass(frozen=True)
+class PagePath:
+    """The longest path of stored pages matching a prompt (metadata only, no payloads)."""
+
+    steps: tuple[PathStep, ...]
+    #: key of the node the path ends at (the parent of a page that would continue it)
+    end: bytes
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(step.used for step in self.steps)
+
+
+def walk(
+    tiers: Sequence[PageTier],
+    root: bytes,
+    tokens: Tokens,
+    limit: int,
+    page_tokens: int,
+    *,
+    queued: bool = False,
+) -> PagePath:
+    """The longest path of pages any of ``tiers`` holds that matches ``tokens[:limit]``.
+
+    Each step first tries the page a record would have cut at this position (one key test per
+    tier); otherwise it compares the prompt with the tokens of the pages stored after this node
+    and takes the longest match, possibly a prefix of a page: a prompt that branches off inside a
+    page still reuses the tokens before the branch, and continues below that branch point.
+    """
+    p = page_tokens
+    steps: list[PathStep] = []
+    parent, pos = root, 0
+    while pos < limit:
+        n = p - pos % p
+        if pos + n <= limit:
+            key = chain_key(parent, tokens[pos : pos + n])
+            if any(tier.holds(key, queued=queued) for tier in tiers):
+                steps.append(PathStep(key, parent, n, n))
+                parent, pos = key, pos + n
+                continue
+        best: PathStep | None = None
+        rest = tokens[pos:limit]
+        for tier in tiers:
+            for key, raw in tier.children(parent, queued=queued):
+                child = np.frombuffer(raw, dtype="<i4")
+                m = common_prefix(child, rest)
+                if m > 0 and (best is None or m > best.used):
+                    best = PathStep(key, parent, len(child), m)
+        if best is None:
+            break
+        steps.append(best)
+        end = best.key if best.used == best.n_tokens else chain_key(parent, rest[: best.used])
+        parent, pos = end, pos + best.used
+    return PagePath(tuple(steps), parent)

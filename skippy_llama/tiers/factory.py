@@ -1,0 +1,120 @@
+"""Builds a cache's ordered tier list from settings: the one place tiers are opened.
+
+The order is the order of cost: L1 (resident checkpoints), L2 (RAM mirror), L3 (disk), then
+every registered extra tier (a remote store, a test's in-memory tier) in registration order. A
+new tier is a module that implements a protocol of :mod:`skippy_llama.tiers.base` and a factory
+registered here with :func:`register`; nothing in the cache, the runtime or the server changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..admission import AdmissionPolicy
+from ..config import Settings
+from ..costs import CostModel
+from ..identity import CacheIdentity
+from .base import Tier
+from .l3.tier import DiskTier
+from .ram import RamTier
+from .resident import ResidentIndex
+
+log = logging.getLogger("skippy_llama")
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier factory may know about the model and context it serves.
+
+    Attributes:
+        settings: the cache settings.
+        identity: the cache identity (page keys chain from ``identity.root``).
+        backend: the llama.cpp backend name (``CPU``, ``CUDA`` ...).
+        costs: the cache's cost model (admission weighs records with it).
+        pageable: whether the context's states can be cut into pages (page tiers need it).
+        unpageable_reason: why not, for the log.
+        resident_slots: sequence ids free for L1 checkpoints (empty: no L1).
+        l1_budget_tokens: tokens L1 may keep resident in all.
+        window: the model's sliding-window size (0: none).
+    """
+
+    settings: Settings
+    identity: CacheIdentity
+    backend: str
+    costs: CostModel
+    pageable: bool
+    unpageable_reason: str = ""
+    resident_slots: Sequence[int] = ()
+    l1_budget_tokens: int = 0
+    window: int = 0
+
+
+#: ``factory(context, tiers built so far) -> tier or None``.
+TierFactory = Callable[[TierContext, Sequence[Tier]], Tier | None]
+
+#: Extra tiers, built after L1/L2/L3 in this order (see :func:`register`).
+EXTRA_FACTORIES: list[TierFactory] = []
+
+
+def register(factory: TierFactory) -> None:
+    """Add a tier factory; every cache built afterwards asks it for a tier."""
+    EXTRA_FACTORIES.append(factory)
+
+
+def build_tiers(context: TierContext) -> list[Tier]:
+    """The cache's tiers, cheapest first. Fails open: a tier that cannot open is left out."""
+    tiers: list[Tier] = []
+    resident = _resident(context)
+    if resident is not None:
+        tiers.append(resident)
+    disk = _disk(context)
+    if disk is not None:
+        l2 = context.settings.l2.budget
+        if l2:
+            ram = RamTier(l2, source=disk)
+            disk.add_removal_listener(ram.invalidate)
+            tiers.append(ram)
+        tiers.append(disk)
+    for factory in EXTRA_FACTORIES:
+        tier = factory(context, tuple(tiers))
+        if tier is not None:
+            tiers.append(tier)
+    return tiers
+
+
+def _resident(context: TierContext) -> ResidentIndex | None:
+    if not context.resident_slots or context.l1_budget_tokens <= 0:
+        return None
+    return ResidentIndex(
+        context.resident_slots,
+        context.l1_budget_tokens,
+        context.settings.page_tokens,
+        window=context.window,
+    )
+
+
+def _disk(context: TierContext) -> DiskTier | None:
+    """L3 when configured and the layout is pageable; fail open to L1 only."""
+    settings = context.settings
+    if settings.l3.mode == "off":
+        return None
+    if not context.pageable:
+        log.warning("skippy-llama: %s: L2/L3 off, L1 only", context.unpageable_reason)
+        return None
+    l3 = settings.l3
+    if l3.compression == "auto":
+        # a GPU prefill outruns single-page decompression: store pages as they are there
+        codec = "zstd" if context.backend == "CPU" else "none"
+        l3 = l3.model_copy(update={"compression": codec})
+    identity = context.identity
+    # the costs this model measured on this backend in earlier processes, kept in the store
+    disk = DiskTier(
+        l3,
+        admission=AdmissionPolicy(context.costs),
+        cost_key=(identity.model.id, identity.backend),
+    )
+    if not disk.serving:
+        log.warning("skippy-llama: L3 is %s (%s); continuing without it", disk.state, disk.reason)
+    return disk

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+
+from skippy_llama.costs import MIN_PREFILL_TOKENS, AlwaysRestore, CostModel
+
+
+def test_unmeasured_costs_say_yes_so_they_get_measured() -> None:
+    costs = CostModel()
+    assert costs.checkpoint_pays(1) and costs.park_pays(1)
+    costs.observe_prefill(100, 0.1)
+    assert costs.checkpoint_pays(1) and costs.park_pays(1)  # restore and park still unknown
+
+
+def test_cpu_like_costs_always_pay_and_gpu_like_costs_need_long_prefixes() -> None:
+    cpu = CostModel()
+    cpu.observe_prefill(256, 0.5)  # ~2 ms a token
+    cpu.observe_checkpoint_restore(0.005)
+    cpu.observe_park(0.005)
+    assert cpu.checkpoint_pays(8) and cpu.park_pays(8)
+
+    gpu = CostModel()
+    gpu.observe_prefill(300, 0.010)  # a small model on an H200: 33 µs a token
+    gpu.observe_checkpoint_restore(0.065)  # fixed cost of a state call there
+    gpu.observe_park(0.065)
+    assert not gpu.checkpoint_pays(256) and not gpu.park_pays(256)
+    assert gpu.checkpoint_pays(2_000) and not gpu.park_pays(2_000)
+    assert gpu.park_pays(4_000)
+
+
+def test_short_prefills_and_nonsense_timings_teach_nothing() -> None:
+    costs = CostModel()
+    costs.observe_prefill(MIN_PREFILL_TOKENS - 1, 0.001)
+    costs.observe_prefill(100, float("nan"))
+    costs.observe_checkpoint_restore(-1.0)
+    costs.observe_park(float("inf"))
+    assert costs.prefill_seconds_per_token is None
+    assert costs.checkpoint_restore_seconds is None and costs.park_seconds is None
+
+
+def test_averages_follow_the_machine() -> None:
+    costs = CostModel(alpha=0.5)
+    costs.observe_checkpoint_restore(0.1)
+    costs.observe_checkpoint_restore(0.0)
+    assert costs.checkpoint_restore_seconds == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="alpha"):
+        CostModel(alpha=0)
+
+
+def test_page_restores_pay_by_their_own_rates() -> None:
+    costs = CostModel()
+    assert costs.pages_pay(10**9, 1)  # unmeasured: restore, so it gets measured
+    costs.observe_prefill(1000, 1.0)  # 1 ms a token
+    costs.observe_restore(10**6, 0.010)  # L3: 10 ns a byte
+    costs.observe_restore(10**6, 0.001, ram=True)  # L2: 1 ns a byte
+    assert costs.pages_pay(10**6, 11) and not costs.pages_pay(10**6, 9)
+    assert costs.pages_pay(10**6, 2, ram=True) and not costs.pages_pay(10**6, 1, ram=True)
+
+
+def test_always_restore_says_yes_to_every_rule_but_still_measures() -> None:
+    costs = AlwaysRestore()
+    costs.observe_prefill(300, 0.010)
+    costs.observe_checkpoint_restore(0.065)
+    costs.observe_park(0.065)
+    costs.observe_restore(10**9, 100.0)
+    assert costs.checkpoint_pays(1) and costs.park_pays(1) and costs.pages_pay(10**9, 1)
+    assert costs.prefill_seconds_per_token is not None
