@@ -237,15 +237,14 @@ class Planner:
             skipped.append(deepest)
             return best
         pages: list[PageRef] = []
-        skipped_tokens, left = 0, usable
+        end = 0  # where the page ends in the prompt
         for step, source in zip(path.steps, sources, strict=True):
-            if left <= 0:
+            if end >= usable:
                 break
-            used = min(step.used, left)
-            left -= used
-            if append and skipped_tokens + used <= floor:
-                skipped_tokens += used  # wholly inside the L1 prefix: never read
-                continue
+            used = min(step.used, usable - end)
+            end += used
+            if append and end <= floor:
+                continue  # wholly inside the L1 prefix: never read
             pages.append(PageRef(source.name, step.key, used))
         plan = dataclasses.replace(
             best,

@@ -1,0 +1,252 @@
+"""The restore planner with fake tiers and costs: every gate without a model or llama.cpp."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from skippy_llama.costs import AlwaysRestore, CostModel
+from skippy_llama.identity import chain_key, page_keys
+from skippy_llama.plan import Planner, Prompt
+from skippy_llama.tiers.base import PageTier, ResidentMatch, ResidentTier, common_prefix
+from skippy_llama.tiers.records import PrefixRecord
+
+ROOT = b"r" * 16
+PAGE = 64
+BYTES_PER_TOKEN = 1000
+
+
+def toks(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+@dataclass
+class Status:
+    name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@dataclass
+class FakeResident:
+    """L1 holding whole prefixes by slot."""
+
+    prefixes: dict[int, np.ndarray] = field(default_factory=dict)
+    name: str = "l1"
+    touched: list[int] = field(default_factory=list)
+
+    def match(self, root: bytes, tokens: np.ndarray, limit: int) -> ResidentMatch | None:
+        best: ResidentMatch | None = None
+        for slot, held in self.prefixes.items():
+            n = common_prefix(held, tokens[:limit])
+            if n and (best is None or n > best.n_tokens):
+                best = ResidentMatch(slot, n)
+        return best
+
+    def touch(self, seq_id: int) -> None:
+        self.touched.append(seq_id)
+
+    def status(self) -> Status:
+        return Status(self.name)
+
+    def clear(self) -> None:
+        self.prefixes.clear()
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakePages:
+    """A page tier holding the aligned pages of the prefixes it was given."""
+
+    name: str
+    keys: set[bytes] = field(default_factory=set)
+    takes_records: bool = True
+    serving: bool = True
+
+    def hold(self, tokens: np.ndarray) -> FakePages:
+        self.keys.update(page_keys(ROOT, tokens, PAGE))
+        return self
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        return key in self.keys
+
+    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+        return []
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
+        for key in keys:
+            if key not in self.keys:
+                break
+            out.append(key)
+        return out
+
+    def offer(self, record: PrefixRecord) -> bool:
+        record.drop()
+        return False
+
+    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+        pass
+
+    def note_miss(self) -> None:
+        pass
+
+    def status(self) -> Status:
+        return Status(self.name)
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+    def close(self) -> None:
+        pass
+
+
+def planner(*tiers: Any, costs: CostModel | None = None) -> Planner:
+    return Planner(ROOT, PAGE, tiers, costs or CostModel(), BYTES_PER_TOKEN)
+
+
+def slow_gpu_costs() -> CostModel:
+    """A GPU-like machine: prefill 10 µs a token, every restore far dearer."""
+    costs = CostModel()
+    costs.observe_prefill(1000, 0.01)
+    costs.observe_checkpoint_restore(0.060)
+    costs.observe_park(0.060)
+    costs.observe_restore(10**6, 1.0)
+    costs.observe_restore(10**6, 1.0, ram=True)
+    return costs
+
+
+def test_the_fakes_implement_the_protocols() -> None:
+    assert isinstance(FakeResident(), ResidentTier)
+    assert isinstance(FakePages("l3"), PageTier)
+
+
+def test_nothing_cached_is_a_cold_plan() -> None:
+    plan = planner(FakeResident(), FakePages("l3")).plan(Prompt(toks(300), 298))
+    assert (plan.tier, plan.n_tokens, plan.keep, plan.park, plan.pages) == ("cold", 0, 0, False, ())
+    assert plan.searched == ("l3",)
+
+
+def test_the_live_sequence_is_kept_up_to_where_the_prompt_leaves_it() -> None:
+    prompt = Prompt(toks(300), 298, live=np.concatenate([toks(100), toks(50, 9000)]))
+    plan = planner(FakeResident()).plan(prompt)
+    assert (plan.tier, plan.n_tokens, plan.keep) == ("l1", 100, 100)
+    assert plan.park  # the prompt leaves the live sequence's last 50 cells: keep them resident
+    assert not planner().plan(prompt).park  # without L1 there is nowhere to park
+
+
+def test_a_deeper_tier_wins_and_each_page_comes_from_the_cheapest_tier_holding_it() -> None:
+    tokens = toks(300)
+    l2 = FakePages("l2", takes_records=False).hold(tokens[:128])
+    l3 = FakePages("l3").hold(tokens[:256])
+    plan = planner(FakeResident({1: tokens[:100]}), l2, l3).plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.n_tokens, plan.floor) == ("l3", 256, 100)
+    assert [p.tier for p in plan.pages] == ["l2", "l2", "l3", "l3"]
+    assert plan.page_tiers == ("l2", "l3") and plan.base_tokens == 0 and plan.seq_id is None
+
+
+def test_an_append_plan_keeps_the_l1_prefix_and_reads_only_the_pages_past_it() -> None:
+    tokens = toks(300)
+    l3 = FakePages("l3").hold(tokens[:256])
+    plan = planner(FakeResident({1: tokens[:130]}), l3).plan(Prompt(tokens, 298, can_append=True))
+    assert (plan.tier, plan.n_tokens, plan.base_tokens, plan.seq_id) == ("l3", 256, 130, 1)
+    # pages [0, 64) and [64, 128) lie wholly inside the L1 prefix: never read
+    assert len(plan.pages) == 2 and plan.appended_tokens == 126
+
+
+def test_every_plan_ends_on_a_granule() -> None:
+    tokens = toks(300)
+    prompt = Prompt(tokens, 298, live=tokens[:150], granule=64)
+    plan = planner(FakeResident({1: tokens[:250]})).plan(prompt)
+    assert (plan.n_tokens, plan.keep, plan.seq_id) == (192, 128, 1)
+    l3 = FakePages("l3").hold(tokens[:300])
+    assert planner(l3).plan(Prompt(tokens, 298, granule=64)).n_tokens == 256
+
+
+def test_logits_all_reuses_only_cells_decoded_here_and_nothing_else() -> None:
+    tokens = toks(300)
+    prompt = Prompt(tokens, 298, live=tokens[:200], scored=120)
+    plan = planner(FakeResident({1: tokens[:290]}), FakePages("l3").hold(tokens)).plan(prompt)
+    assert (plan.tier, plan.n_tokens, plan.keep, plan.park) == ("l1", 120, 120, False)
+
+
+def test_a_sliding_window_cache_is_never_cut_back() -> None:
+    tokens = toks(300)
+    cut = Prompt(tokens, 298, live=tokens[:100], live_cells=140, sliding_window=True)
+    assert planner().plan(cut).n_tokens == 0
+    whole = Prompt(tokens, 298, live=tokens[:100], live_cells=100, sliding_window=True)
+    assert planner().plan(whole).n_tokens == 100
+
+
+def test_the_cost_model_refuses_restores_that_lose_to_a_prefill() -> None:
+    tokens = toks(300)
+    l3 = FakePages("l3").hold(tokens[:256])
+    resident = FakeResident({1: tokens[:200]})
+    slow = planner(resident, l3, costs=slow_gpu_costs()).plan(Prompt(tokens, 298))
+    assert (slow.tier, slow.n_tokens) == ("cold", 0)
+    assert slow.skipped == ("l3", "l1")
+    forced = planner(resident, l3, costs=AlwaysRestore()).plan(Prompt(tokens, 298))
+    assert (forced.tier, forced.n_tokens, forced.skipped) == ("l3", 256, ())
+
+
+def test_a_cheap_checkpoint_restore_is_planned_with_its_estimates() -> None:
+    costs = CostModel()
+    costs.observe_prefill(1000, 1.0)  # 1 ms a token: a CPU
+    costs.observe_checkpoint_restore(0.005)
+    plan = planner(FakeResident({2: toks(200)}), costs=costs).plan(Prompt(toks(300), 298))
+    assert (plan.tier, plan.seq_id, plan.n_tokens) == ("l1", 2, 200)
+    assert plan.expected_s == 0.005 and plan.cold_s == 0.2
+
+
+def test_excluding_a_failed_tier_gives_the_next_shallower_plan() -> None:
+    tokens = toks(300)
+    tiers = (FakeResident({1: tokens[:100]}), FakePages("l3").hold(tokens[:256]))
+    p = planner(*tiers)
+    assert p.plan(Prompt(tokens, 298)).tier == "l3"
+    after = p.plan(Prompt(tokens, 298), exclude=frozenset({"l3"}))
+    assert (after.tier, after.seq_id, after.n_tokens) == ("l1", 1, 100)
+    assert p.plan(Prompt(tokens, 298), exclude=frozenset({"l1", "l3"})).tier == "cold"
+
+
+def test_a_tier_that_is_not_serving_is_not_asked() -> None:
+    tokens = toks(300)
+    l3 = FakePages("l3", serving=False).hold(tokens)
+    assert planner(l3).plan(Prompt(tokens, 298)).tier == "cold"
+
+
+def test_a_branch_inside_a_page_is_found_through_children() -> None:
+    tokens = toks(300)
+    stored = np.concatenate([tokens[:100], toks(28, 5000)])  # one page, branching at 100
+
+    class Branching(FakePages):
+        def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+            if parent != ROOT:
+                return []
+            return [(chain_key(ROOT, stored[:PAGE]), stored[:PAGE].astype("<i4").tobytes())]
+
+    plan = planner(Branching("l3")).plan(Prompt(np.concatenate([tokens[:60], toks(5, 7)]), 60))
+    assert (plan.tier, plan.n_tokens, [p.used for p in plan.pages]) == ("l3", 60, [60])
+
+
+def test_an_append_plan_keeps_a_short_last_page_past_the_l1_prefix() -> None:
+    tokens = toks(300)
+
+    class Tail(FakePages):
+        """Aligned pages of 256 tokens and a 14-token tail page after them."""
+
+        def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+            last = page_keys(ROOT, tokens[:256], PAGE)[-1]
+            if parent != last:
+                return []
+            return [(chain_key(last, tokens[256:270]), tokens[256:270].astype("<i4").tobytes())]
+
+    l3 = Tail("l3").hold(tokens[:256])
+    plan = planner(FakeResident({1: tokens[:150]}), l3).plan(Prompt(tokens, 298, can_append=True))
+    assert (plan.n_tokens, plan.base_tokens) == (270, 150)
+    assert [p.used for p in plan.pages] == [64, 64, 14]  # [128, 192), [192, 256), the tail
