@@ -35,7 +35,7 @@ from ..pinned import cuda_pinner
 from ..plan import Prompt
 from ..roster import Verdict
 from ..state import KVLayout
-from ..tiers.factory import TierContext, build_tiers
+from ..tiers.factory import TierContext, build_tiers, wants_pages
 from . import probes, repair
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
@@ -167,9 +167,9 @@ class SkippyLlama(llama_cpp.Llama):
         self._kv_layout: KVLayout | None = None
         self._layout_read = False
         self._verdict: Verdict | None = None
-        if settings.l3.mode != "off":
-            # the durable identity and L3's pages need the layout now; L1 alone reads it only
-            # when asked (cache_status), so loading costs what plain Llama's does
+        if wants_pages(settings):
+            # the durable identity and pages need the layout now; L1 alone reads it only when
+            # asked (cache_status), so loading costs what plain Llama's does
             self._kv_layout = self.kv_layout
         self.cache_identity = build_identity(
             self, settings, self._kv_layout, split_dependent=self.granule > 1

@@ -63,6 +63,11 @@ def register(factory: TierFactory) -> None:
     EXTRA_FACTORIES.append(factory)
 
 
+def wants_pages(settings: Settings) -> bool:
+    """Whether a page tier may be built: the runtime then reads the KV layout at load."""
+    return settings.l3.mode != "off" or bool(EXTRA_FACTORIES)
+
+
 def build_tiers(context: TierContext) -> list[Tier]:
     """The cache's tiers, cheapest first. Fails open: a tier that cannot open is left out."""
     tiers: list[Tier] = []
