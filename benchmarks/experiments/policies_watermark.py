@@ -6,11 +6,11 @@ but stops at ``--keep`` (95 %) of the budget once the next page to go is one wor
 for ``reuse`` a page used more than once, for ``optimal`` one used again, for ``lru`` every
 page (so LRU just evicts to ``--keep``). Each policy is replayed on the synthetic traces under
 both rules; "same rules" ratios compare ``reuse`` with the optimum and LRU playing by the same
-rule. Not adopted (see benchmarks/README.md); no model, ~20 s.
+rule. Not adopted (see benchmarks/experiments/NOTEBOOK.md); no model, ~20 s.
 
 Usage::
 
-    .venv/bin/python benchmarks/policies_watermark.py [--keep 0.95]
+    .venv/bin/python benchmarks/experiments/policies_watermark.py [--keep 0.95]
 """
 
 from __future__ import annotations

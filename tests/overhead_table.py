@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Turn ``bench_overhead.py``'s pytest-benchmark JSON into the Markdown tables of benchmarks/README.md.
+"""Turn ``bench_overhead.py``'s pytest-benchmark JSON into the Markdown tables of the benchmark notes.
 
 Each timed test of the JSON is one round of one mode (``extra_info`` has ``round``). A ratio to
 plain ``Llama`` is taken per round, against plain's run of the *same* round (run back to back
@@ -9,9 +9,12 @@ and process CPU time are both reported (the CPU view is the one stolen time on s
 not inflate; see bench_overhead's docstring). JSON written before the rounds were interleaved
 (no ``round`` key) is printed in its old table.
 
+It lives in ``tests/`` beside ``overhead_workloads.py`` so that its test runs in CI without the
+tests depending on ``benchmarks/``.
+
 Usage::
 
-    .venv/bin/python benchmarks/overhead_table.py benchmarks/results/overhead.json
+    .venv/bin/python tests/overhead_table.py benchmarks/results/overhead.json
 """
 
 from __future__ import annotations

@@ -16,16 +16,21 @@ prefill seconds summed over seeds), on the skewed synthetic workload:
 requests out. ``--shape real`` runs the real-model shape of ``bench_policies.py`` (12 documents,
 120 requests, seeds 0-9) at its 64 MiB floor instead. ~10 s, no model::
 
-    .venv/bin/python benchmarks/policies_ceiling.py [--shape real]
+    .venv/bin/python benchmarks/experiments/policies_ceiling.py [--shape real]
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+
+# bench_policies.py is a maintained benchmark one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_policies import REAL_SHAPE
 
 from skippy_llama.tiers.l3 import synthetic

@@ -1,8 +1,12 @@
-"""Test-run hook (not part of the project): when LLCPP_FORCE_NGL is set, every llama_cpp.Llama built in
+"""Test-run hook (not part of the package; put this folder first on ``PYTHONPATH``): when LLCPP_FORCE_NGL is set, every llama_cpp.Llama built in
 this process (SkippyLlama and the tests' plain Llama alike) gets n_gpu_layers=LLCPP_FORCE_NGL unless the
 caller passed one; LLCPP_FORCE_UBATCH sets n_batch = n_ubatch and LLCPP_FORCE_FA turns flash attention
 on the same way (CPU + flash attention + small n_ubatch reproduces the GPU's canonical-batching
-conditions locally). Subprocesses inherit it through PYTHONPATH. Chains to any other sitecustomize."""
+conditions locally). Subprocesses inherit it through PYTHONPATH. Chains to any other sitecustomize.
+
+Used by ``.ci/run``'s GPU-like lane (``LLCPP_FORCE_NGL=0 LLCPP_FORCE_UBATCH=64``) and by
+``scripts/gpu.sh test`` (``n_gpu_layers`` -1 and 0 on a CUDA build). Do not name such variables
+``SKIPPY_*``: the L3 tests strip those from their worker processes."""
 
 import os
 import sys

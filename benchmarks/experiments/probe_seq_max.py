@@ -8,7 +8,7 @@ rounds its ``n_seq_max`` up to a power of two (``runtime/llama.py``, ``_sequence
 
 Usage::
 
-    .venv/bin/python benchmarks/probe_seq_max.py --seqs 1 2 3 4 5 6 8 --rounds 20
+    .venv/bin/python benchmarks/experiments/probe_seq_max.py --seqs 1 2 3 4 5 6 8 --rounds 20
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ do not depend on how the prompt is split into batches. This decodes a 171-token 
 batch, then split at every point k in [100, 170) (k tokens, then the rest), and counts the splits
 whose last logits differ (max |delta|). Plain ``llama_cpp.Llama`` only, no cache.
 
-    .venv/bin/python benchmarks/probe_split.py smol|gemma|PATH.gguf [--out FILE.json]
+    .venv/bin/python benchmarks/experiments/probe_split.py smol|gemma|PATH.gguf [--out FILE.json]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Without libcudart (a CPU build) it times the pageable path only and says so.
 
 Usage (on the device, after the GPU route's setup)::
 
-    python3 benchmarks/gpu/pinned_probe.py /tmp/big.gguf --tokens 8192 32000 --out $OUT/pinned.json
+    python3 benchmarks/experiments/pinned_probe.py /tmp/big.gguf --tokens 8192 32000 --out $OUT/pinned.json
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ with L1 only and on a cold ``Llama``, then compares the working sequence's K/V a
 (128 tokens from an L1 checkpoint + the suffix) with the cold prefill's, row by row. Layer-0 K
 depends only on a token and its position, so rows that differ there hold other tokens' K.
 
-    .venv/bin/python benchmarks/probe_q8_l1.py            # q8_0: none (16..127 before the fix)
-    .venv/bin/python benchmarks/probe_q8_l1.py f16 on     # F16, flash attention on: none
+    .venv/bin/python benchmarks/experiments/probe_q8_l1.py            # q8_0: none (16..127 before the fix)
+    .venv/bin/python benchmarks/experiments/probe_q8_l1.py f16 on     # F16, flash attention on: none
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Time L1 checkpoints and their restores on the device, on-device vs host (SmolLM2, ngl -1).
 
-Run from the checkout on the GPU machine after the setup of README.md: ``python3 ckpt_probe.py``.
+Run from the checkout on a GPU machine after ``bash benchmarks/gpu/run.sh setup`` and ``build``
+(``eval "$(bash benchmarks/gpu/run.sh env)"``; MODEL below is the pre-runner path):
+``python3 benchmarks/experiments/ckpt_probe.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ ranking (issue 15). ~10 s, no model.
 
 Usage::
 
-    .venv/bin/python benchmarks/policies_longer.py
+    .venv/bin/python benchmarks/experiments/policies_longer.py
 """
 
 from __future__ import annotations
