@@ -122,6 +122,10 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     """mkdocs event: expand the settings marker."""
     if MARKER in markdown:
         # the table shows defaults as a user sees them, not this build machine's cache directory
-        os.environ.pop("XDG_CACHE_HOME", None)
-        markdown = markdown.replace(MARKER, settings_table())
+        saved = os.environ.pop("XDG_CACHE_HOME", None)
+        try:
+            markdown = markdown.replace(MARKER, settings_table())
+        finally:
+            if saved is not None:
+                os.environ["XDG_CACHE_HOME"] = saved
     return markdown
