@@ -42,7 +42,7 @@ waiting that SkippyLlama causes itself (I/O, locks) and counts work off the call
 writer thread) that costs no wall time on idle cores, and threads that spin while waiting for
 each other (ggml's thread pool does) accrue CPU time while a core is taken from their partner,
 so under heavy contention CPU time grows with wall time too (the table's CPU ÷ wall column shows
-it). Both are reported. The ratios are computed by ``overhead_table.py`` from the rounds: per
+it). Both are reported. The ratios are computed by ``tests/overhead_table.py`` from the rounds: per
 round, a mode's total over plain's total of the same round, summarized as the median over rounds
 with min-max (wall and CPU, total and last request); and the older view, each request's fastest
 round summed, over plain's. ``extra_info`` also holds
@@ -58,7 +58,7 @@ names (see ``PROFILE_GROUPS``) so renamed or removed methods just count zero.
 Usage (``SKIPPY_BENCH_QUICK=1``: 6 turns, 3 documents, 3 continuations)::
 
     .venv/bin/pytest benchmarks/bench_overhead.py --benchmark-json=benchmarks/results/overhead.json
-    .venv/bin/python benchmarks/overhead_table.py benchmarks/results/overhead.json
+    .venv/bin/python tests/overhead_table.py benchmarks/results/overhead.json
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -79,21 +79,22 @@ import pytest
 
 from skippy_llama.config import Settings
 from skippy_llama.models import default_model_path
-from skippy_llama.runtime.llama import DEFER_RECORD_TOKENS, SkippyLlama
+from skippy_llama.runtime.llama import SkippyLlama
 
-#: ``skippy_l3`` with its L3 records made at once (``eager``) or left waiting (``defer``) whatever
-#: the backend's default (``SkippyLlama.defer_record_tokens``)
-DEFER_MODES = {"skippy_l3_eager": 0, "skippy_l3_defer": DEFER_RECORD_TOKENS}
-ALL_MODES = ("plain", "plain_exact", "skippy", "skippy_l3", *DEFER_MODES)
-#: modes to run (``SKIPPY_BENCH_MODES``, comma-separated; ``plain`` always runs: every ratio is
-#: to it)
-MODES = tuple(
-    m
-    for m in ALL_MODES
-    if m == "plain"
-    or m in os.environ.get("SKIPPY_BENCH_MODES", "plain_exact,skippy,skippy_l3").split(",")
+# the workloads, sizes and round order are shared with their test (tests/overhead_workloads.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from overhead_workloads import (
+    CASES,
+    DEFER_MODES,
+    MODES,
+    QUICK,
+    SIZES,
+    WORKLOADS,
+    chat_messages,
+    continuation_parts,
+    documents,
+    round_order,
 )
-WORKLOADS = ("chat", "chat_stream", "chat_idle", "oneshot", "continue", "continue_idle")
 
 #: Profile groups: a function belongs to a group when it lives in skippy_llama and its name
 #: contains one of the substrings. Times are inclusive and groups may nest (capture includes
@@ -108,102 +109,8 @@ PROFILE_GROUPS: dict[str, tuple[str, ...]] = {
     "decode": ("_decode",),
 }
 
-QUICK = os.environ.get("SKIPPY_BENCH_QUICK", "") not in ("", "0")
-#: rounds per workload, each running every mode once (``round_order``)
-ROUNDS = int(os.environ.get("SKIPPY_BENCH_ROUNDS", "5"))
 PROFILE = os.environ.get("SKIPPY_BENCH_PROFILE", "chat")  # "chat", "all" or "off"
 N_CTX = 4096
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Workload sizes; ``QUICK`` shrinks them to check that the benchmark works."""
-
-    chat_turns: int = 6 if QUICK else 16
-    user_tokens: int = 150
-    reply_tokens: int = 48
-    documents: int = 3 if QUICK else 8
-    document_tokens: int = 500
-    oneshot_tokens: int = 16
-    long_prompt_tokens: int = 2000
-    continuations: int = 3 if QUICK else 8
-    continuation_tokens: int = 40
-    continue_reply_tokens: int = 32
-
-
-SIZES = Sizes()
-
-_WORDS = [
-    "river",
-    "stone",
-    "lantern",
-    "harbor",
-    "maple",
-    "copper",
-    "orbit",
-    "signal",
-    "meadow",
-    "pocket",
-    "winter",
-    "thunder",
-    "violet",
-    "engine",
-    "candle",
-    "forest",
-    "basket",
-    "silver",
-    "mirror",
-    "garden",
-    "planet",
-    "ribbon",
-    "falcon",
-    "cotton",
-    "bridge",
-    "needle",
-    "marble",
-    "tunnel",
-    "island",
-    "pepper",
-    "rocket",
-    "saddle",
-    "window",
-    "feather",
-    "canyon",
-    "button",
-    "crystal",
-    "ladder",
-    "velvet",
-    "compass",
-    "glacier",
-    "puzzle",
-    "anchor",
-    "timber",
-    "oyster",
-    "blanket",
-    "kettle",
-    "meteor",
-    "walnut",
-    "harvest",
-]
-
-
-def text_of(tokenize: Callable[[str], list[int]], n_tokens: int, seed: int) -> str:
-    """Deterministic English-like text of about ``n_tokens`` tokens (within a few tokens).
-
-    Sentences are added until the text reaches ``n_tokens``; every seed gives different text
-    from its first word on (for up to ``len(_WORDS)`` consecutive seeds), so such texts share no
-    prefix.
-    """
-    rng = random.Random(seed)
-    sentences: list[str] = []
-    while True:
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 14))]
-        if not sentences:
-            words[0] = _WORDS[seed % len(_WORDS)]
-        sentences.append(" ".join(words).capitalize() + f" (note {seed}-{len(sentences)}).")
-        text = " ".join(sentences)
-        if len(tokenize(text)) >= n_tokens:
-            return text
 
 
 @dataclass(frozen=True)
@@ -279,14 +186,6 @@ def _stream_reply(chunks: Iterator[Any], run: Run, started: Stamp) -> str:
     return "".join(parts)
 
 
-def chat_messages(tokenize: Callable[[str], list[int]], turns: int) -> list[str]:
-    """The user messages of the linear chat, each about ``SIZES.user_tokens`` tokens."""
-    return [
-        "Summarize the notes below in one sentence.\n" + text_of(tokenize, SIZES.user_tokens, t)
-        for t in range(turns)
-    ]
-
-
 def run_chat(llm: llama_cpp.Llama, *, stream: bool, think: bool = False) -> Run:
     run = Run()
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a concise assistant."}]
@@ -311,14 +210,6 @@ def run_chat(llm: llama_cpp.Llama, *, stream: bool, think: bool = False) -> Run:
     return run
 
 
-def documents(tokenize: Callable[[str], list[int]]) -> list[str]:
-    """Distinct one-shot prompts, each about ``SIZES.document_tokens`` tokens, no shared prefix."""
-    return [
-        text_of(tokenize, SIZES.document_tokens, 1000 + d) + "\nIn short:"
-        for d in range(SIZES.documents)
-    ]
-
-
 def run_oneshot(llm: llama_cpp.Llama) -> Run:
     run = Run()
     for prompt in documents(_tokenizer(llm)):
@@ -329,14 +220,6 @@ def run_oneshot(llm: llama_cpp.Llama) -> Run:
         _note(llm, run, started)
         run.replies.append(result["choices"][0]["text"])
     return run
-
-
-def continuation_parts(tokenize: Callable[[str], list[int]]) -> list[str]:
-    """The long first prompt, then the short texts appended after each reply."""
-    return [text_of(tokenize, SIZES.long_prompt_tokens, 2000)] + [
-        "\n" + text_of(tokenize, SIZES.continuation_tokens, 3000 + c)
-        for c in range(SIZES.continuations)
-    ]
 
 
 def run_continue(llm: llama_cpp.Llama, think: bool = False) -> Run:
@@ -446,20 +329,6 @@ def _event_sums(events: list[dict[str, Any]]) -> dict[str, float]:
     keys = ("lookup_ms", "restore_ms", "prefill_ms", "repaired_tokens", "cached_tokens")
     return {k: round(sum(float(e.get(k, 0)) for e in events), 3) for k in keys}
 
-
-def round_order(round_index: int) -> tuple[str, ...]:
-    """The modes in the order round ``round_index`` runs them: ``MODES`` rotated by the round.
-
-    Rotating (ABC, BCA, CAB, ...) puts every mode in every position over the rounds, so what a
-    position costs (the previous test's memory freed, caches warm or cold) does not always land
-    on the same mode.
-    """
-    shift = round_index % len(MODES)
-    return MODES[shift:] + MODES[:shift]
-
-
-#: (workload, round, mode) in run order: per workload, round-major, modes rotated per round
-CASES = [(w, r, m) for w in WORKLOADS for r in range(ROUNDS) for m in round_order(r)]
 
 #: per workload, the first test's replies and which test it was, for the equality checks
 _REPLIES: dict[str, tuple[str, list[str]]] = {}

@@ -13,7 +13,9 @@
 # builds a new one.
 # The queue digest is compiled into the library (skippy_patch_queue_sha256), so the runtime can match
 # the loaded library against roster/split-certified.json exactly.
-# Environment: PYTHON (default python3) builds; CMAKE_BUILD_PARALLEL_LEVEL (default 2).
+# Environment: PYTHON (default python3) builds; CMAKE_BUILD_PARALLEL_LEVEL (default 2); LLCPP_SDIST
+# an sdist archive already on disk (.tar.gz or .tar.xz whose top folder is llama_cpp_python-VERSION),
+# used instead of downloading one (offline machines: benchmarks/gpu/run.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -23,7 +25,7 @@ CACHE="$WHEEL_CACHE"
 roster() { PYTHONPATH="$ROOT" "$PYTHON" -c "import skippy_llama.roster as r; print($1)"; }
 VERSION="$(roster r.LLAMA_CPP_PYTHON_VERSION)"
 DIGEST="$(roster 'r.queue_digest()')"
-SDIST="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
+SDIST="${LLCPP_SDIST:-$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz}"
 
 fetch_sdist() {
   if [ ! -f "$SDIST" ]; then
@@ -42,7 +44,7 @@ apply_queue() {
   fi
   fetch_sdist
   mkdir -p "$dest"
-  tar -xzf "$SDIST" -C "$dest"
+  tar -xf "$SDIST" -C "$dest"
   src="$dest/llama_cpp_python-$VERSION"
   while IFS= read -r name || [ -n "$name" ]; do
     case "$name" in ''|'#'*) continue ;; esac

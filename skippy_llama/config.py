@@ -108,7 +108,7 @@ class L1Settings(BaseModel):
     """L1: resident prefixes kept in spare sequence ids of the live context."""
 
     model_config = ConfigDict(extra="forbid")
-    enabled: bool = True
+    enabled: bool = Field(True, description="resident prefixes in the live context")
     max_prefixes: int = Field(
         4,
         ge=1,
@@ -134,19 +134,31 @@ class L2Settings(BaseModel):
     """L2: a bounded host-RAM mirror of L3 (off unless a budget is given)."""
 
     model_config = ConfigDict(extra="forbid")
-    budget: Size | None = None
+    budget: Size | None = Field(None, description="RAM mirror budget, e.g. 2GiB; unset: L2 is off")
 
 
 class L3Settings(BaseModel):
     """L3: the durable disk store on diskcache."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["off", "auto", "fixed"] = "off"
-    budget: Size | None = None
-    directory: Annotated[Path, BeforeValidator(_absolute)] = Field(
-        default_factory=_default_directory
+    mode: Literal["off", "auto", "fixed"] = Field(
+        "off",
+        description=(
+            "off, fixed (l3.budget), or auto: min(20 % of free + managed space, free − "
+            "minimum_free, 64 GiB)"
+        ),
     )
-    minimum_free: Size = 16 * GiB
+    budget: Size | None = Field(
+        None, description="disk budget for mode fixed, e.g. 32GiB (floor 64MiB)"
+    )
+    directory: Annotated[Path, BeforeValidator(_absolute)] = Field(
+        default_factory=_default_directory,
+        description="the store directory, absolute ($XDG_CACHE_HOME/skippy-llama/kv by default)",
+    )
+    minimum_free: Size = Field(
+        16 * GiB,
+        description="free space kept on its filesystem; below it L3 turns read-only (floor 1GiB)",
+    )
     writer_queue: int = Field(64, ge=1, le=4096, description="pending background writes")
     writer_nice: int = Field(
         10,

@@ -11,7 +11,7 @@ fragmented the kernel compacts it inside the fault (``defrag=madvise``, the comm
 this 2-core machine a fresh SmolLM2 process's first L3 restore of 3,500 tokens took 46-49 ms
 with 4 KiB pages, 66-86 ms with ``bytearray`` buffers and 180-209 ms with huge pages, and its
 first capture 115-137 / 109-125 / 219-263 ms (``bench_gpu.py --buffers``, see
-benchmarks/README.md). On the freshly started H200 host huge pages made a 720 MB L3 restore 2.6×
+benchmarks/experiments/NOTEBOOK.md). On the freshly started H200 host huge pages made a 720 MB L3 restore 2.6×
 faster than ``bytearray`` buffers; 4 KiB pages were not measured there.
 """
 

@@ -3,7 +3,7 @@
 A capture (``llama_state_seq_get_data``) or a restore (``set_data``) on a CUDA build copies each
 layer's K and V between VRAM and a host buffer. From pageable memory the driver stages every
 copy through a small pinned bounce buffer of its own; from a registered (page-locked) buffer it
-copies by DMA. Measured on an H100 (``benchmarks/gpu/pinned_probe.py``, a 1.1B F16 llama, all
+copies by DMA. Measured on an H100 (``benchmarks/experiments/pinned_probe.py``, a 1.1B F16 llama, all
 layers offloaded, the same anonymous mapping before and after registering): a capture of 8k
 tokens took 19.5 ms pageable and 4.3 ms pinned, a restore 27.3 and 6.2 ms; at 32k tokens 81.6 /
 15.8 ms and 120 / 32 ms. Registering cost 53-62 ms (about one pageable capture) and
@@ -104,7 +104,7 @@ class CudaPinner:
 
 def load_cudart() -> ctypes.CDLL | None:
     """libcudart as llama.cpp's CUDA backend loaded it, or None (a CPU build; also what
-    ``benchmarks/gpu/pinned_probe.py`` registers its buffers with)."""
+    ``benchmarks/experiments/pinned_probe.py`` registers its buffers with)."""
     import llama_cpp
 
     lib_dir = Path(llama_cpp.__file__).parent / "lib"

@@ -32,7 +32,14 @@ _QUEUE_TAG = b"skippy-llama patch queue v1"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCHES_DIR = REPO_ROOT / "patches"
-ROSTER_PATH = REPO_ROOT / "roster" / "split-certified.json"
+_CHECKOUT_ROSTER = REPO_ROOT / "roster" / "split-certified.json"
+# an installed wheel has no checkout around it: its build copies the roster here (setup.py)
+_PACKAGED_ROSTER = Path(__file__).resolve().parent / "_data" / "split-certified.json"
+ROSTER_PATH = (
+    _PACKAGED_ROSTER
+    if not _CHECKOUT_ROSTER.is_file() and _PACKAGED_ROSTER.is_file()
+    else _CHECKOUT_ROSTER
+)
 
 LANES = (
     "page_restore_exact",

@@ -7,7 +7,7 @@ replies inside one granule are not repaired and L3 records of a growing sequence
 granules are exact on every backend, so cached answers must still equal cold ones. It cannot
 emulate a GPU's kernel numerics, L3's ``auto`` codec choice on GPU builds, nor the cost model's
 GPU rates (a GPU prefill that beats a restore); combine it with
-``benchmarks/gpu/sitecustomize_force_ngl.py`` (``LLCPP_FORCE_NGL=0 LLCPP_FORCE_UBATCH=64``, via
+``tests/force_ngl/sitecustomize.py`` (``LLCPP_FORCE_NGL=0 LLCPP_FORCE_UBATCH=64``, via
 ``PYTHONPATH``) to force the GPU runs' n_batch = n_ubatch = 64. It reaches only this process and
 the ``l3_worker`` processes (which take it from the spec), not the CLI subprocesses.
 """

@@ -136,7 +136,7 @@ PRESETS: dict[str, MatrixConfig] = {
         n_batch=64,
         page_tokens=64,
         # one thread: on a shared 2-core machine two threads stall each other at every graph
-        # barrier and small batches swing from 0.1 s to 4 s (benchmarks/README.md)
+        # barrier and small batches swing from 0.1 s to 4 s (benchmarks/experiments/NOTEBOOK.md)
         threads=1,
     ),
 }

@@ -6,7 +6,7 @@ calls on whichever anyio worker thread is free (and loads the model on the main 
 process collects several teams. On 2 cores a 25-token prefill took 111 ms with every call on the
 main thread, 132 ms on a thread other than the one that loaded the model and 141 ms alternating
 between two such threads, and 106 ms with everything on one other thread (``bench_threads.py``,
-medians of six rounds; ``benchmarks/README.md``, "One model thread"). ``skippy-llama serve``
+medians of six rounds; ``benchmarks/experiments/NOTEBOOK.md``, "One model thread"). ``skippy-llama serve``
 sends every model call through one :class:`ModelThread`: the load, each request, each streamed
 chunk and the idle work. Calls still queue behind upstream's per-model lock as before; this
 thread only decides where they run.

@@ -1,31 +1,24 @@
 """The overhead benchmark: its workload builders make prompts of the sizes it claims (real
-tokenizer), its rounds interleave the modes, and its table pairs each mode with plain's round."""
+tokenizer), its rounds interleave the modes, and its table pairs each mode with plain's round.
+
+The workloads and the table live in ``tests/`` (``overhead_workloads.py``, ``overhead_table.py``);
+``benchmarks/bench_overhead.py`` imports them from there, so this test needs nothing from
+``benchmarks/``."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import llama_cpp
+import overhead_table
+import overhead_workloads
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def _bench() -> ModuleType:
-    return _load("bench_overhead")
+    return overhead_workloads
 
 
 @pytest.mark.model
@@ -88,7 +81,7 @@ def _row(round_index: int, mode: str, request_s: list[float], cpu_s: float) -> d
 
 
 def test_table_pairs_each_round_with_plains_same_round() -> None:
-    table = _load("overhead_table")
+    table = overhead_table
     # the machine slows by half in round 1: each mode is 1.1x plain within its round
     rows = [
         _row(0, "plain", [1.0, 1.0], 4.0),

@@ -24,7 +24,7 @@ def matrix(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     out = tmp_path_factory.mktemp("matrix")
     proc = subprocess.run(
         # --backends CPU: on a GPU build too, so the test asks the same of every build (the GPU
-        # columns and portability are the CLI's job there: benchmarks/README.md)
+        # columns and portability are the CLI's job there: docs/matrix.md)
         [sys.executable, "-m", "skippy_llama.cli.main", "matrix", "--small", "--out", str(out),
          "--model", str(smollm2_path), "--portability", "--backends", "CPU"],
         capture_output=True, text=True, timeout=900,

@@ -172,22 +172,72 @@ def test_a_one_off_long_prompt_goes_before_documents_seen_once() -> None:
     assert not set(events[-1].keys) & set(sim.pages)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_policy_targets_on_synthetic_workloads(seed: int) -> None:
-    """The issue's targets, where the synthetic traces can show them (figures: benchmarks)."""
-    budgets = [32 * MiB, 64 * MiB, 128 * MiB]
+#: The seeds ``reuse`` was tuned on (``bench_policies.py``'s default; the tables in
+#: ``skippy_llama/tiers/l3/policies.py``). Its targets are asserted on the others, which chose
+#: nothing: a policy fitted to these three traces must still meet them on traces it never saw.
+TUNING_SEEDS = (0, 1, 2)
+#: the held-out seeds of ``benchmarks/results/policies_heldout.json`` (``--seeds 3-22``)
+HELD_OUT_SEEDS = tuple(range(3, 23))
+TARGET_BUDGETS = (32 * MiB, 64 * MiB, 128 * MiB)
+POLICIES = ("lru", "reuse", "optimal")
+
+Saved = dict[tuple[str, int, int, str], float]
+
+
+@pytest.fixture(scope="module")
+def held_out_saved() -> Saved:
+    """Saved prefill seconds per (workload, seed, budget, policy) on the held-out seeds: every
+    seed for the workloads with targets (skewed, uniform), five for loop and scan (~40 s)."""
+    assert not set(HELD_OUT_SEEDS) & set(TUNING_SEEDS)
+    saved: Saved = {}
     for workload in synthetic.WORKLOADS:
-        events = synthetic.workload_events(workload, seed=seed)
-        for budget in budgets:
-            lru = simulate(events, budget, "lru").saved_s
-            new = simulate(events, budget, "reuse").saved_s
-            best = simulate(events, budget, "optimal").saved_s
-            assert new >= 0.98 * lru, (workload, budget)
-            assert best >= new, (workload, budget)
-            if workload == "skewed":
-                assert new >= 1.5 * lru, budget
-                # the GDSF default before the frequency classes reached 0.757 at 64 MiB
-                assert new >= 0.8 * best, budget
+        seeds = HELD_OUT_SEEDS if workload in ("skewed", "uniform") else HELD_OUT_SEEDS[:5]
+        for seed in seeds:
+            events = synthetic.workload_events(workload, seed=seed)
+            for budget in TARGET_BUDGETS:
+                for policy in POLICIES:
+                    saved[workload, seed, budget, policy] = simulate(events, budget, policy).saved_s
+    return saved
+
+
+def _summed(saved: Saved, workload: str, budget: int, policy: str) -> float:
+    return sum(v for (w, _, b, p), v in saved.items() if (w, b, p) == (workload, budget, policy))
+
+
+def test_policy_never_beats_the_optimum_nor_loses_to_lru_held_out(held_out_saved: Saved) -> None:
+    for (workload, seed, budget, policy), new in held_out_saved.items():
+        if policy != "reuse":
+            continue
+        lru = held_out_saved[workload, seed, budget, "lru"]
+        best = held_out_saved[workload, seed, budget, "optimal"]
+        assert best >= new, (workload, seed, budget)
+        if workload == "uniform" and budget == 32 * MiB:
+            # decided by 20-30 hits per trace: per seed 0.80-1.55x LRU held out (1.11x summed)
+            assert new >= 0.75 * lru, (workload, seed, budget)
+        else:
+            assert new >= 0.98 * lru, (workload, seed, budget)
+
+
+def test_skewed_reuse_targets_held_out(held_out_saved: Saved) -> None:
+    """The issue's skewed-reuse targets on seeds the policy never saw (figures: benchmarks)."""
+    for seed in HELD_OUT_SEEDS:
+        for budget in TARGET_BUDGETS:
+            new = held_out_saved["skewed", seed, budget, "reuse"]
+            assert new >= 1.5 * held_out_saved["skewed", seed, budget, "lru"], (seed, budget)
+    # summed over the held-out seeds: measured 0.849 / 0.870 / 0.908 of the optimum (the GDSF
+    # default before the frequency classes reached 0.757 at 64 MiB on the tuning seeds)
+    for budget, floor in zip(TARGET_BUDGETS, (0.83, 0.85, 0.89), strict=True):
+        fraction = _summed(held_out_saved, "skewed", budget, "reuse") / _summed(
+            held_out_saved, "skewed", budget, "optimal"
+        )
+        assert fraction >= floor, (budget, fraction)
+
+
+def test_uniform_reuse_saves_at_least_lru_held_out(held_out_saved: Saved) -> None:
+    # summed over the held-out seeds: measured 1.11 / 1.18 / 1.19x LRU
+    for budget in TARGET_BUDGETS:
+        new = _summed(held_out_saved, "uniform", budget, "reuse")
+        assert new >= 1.05 * _summed(held_out_saved, "uniform", budget, "lru"), budget
 
 
 def test_document_pages_name_each_document_request_and_its_probability() -> None:

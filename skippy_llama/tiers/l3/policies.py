@@ -84,7 +84,7 @@ On traces recorded from real-model runs (``bench_policies.py``: 12 documents, 12
 the 64 MiB floor, three seeds) ``reuse`` saves 0.899/0.914/0.916x the optimum on skewed reuse
 (0.910x summed) and 1.13/1.26/1.36x LRU on uniform reuse.
 
-**The learning ceiling** (``benchmarks/policies_ceiling.py``): a yardstick told which document
+**The learning ceiling** (``benchmarks/experiments/policies_ceiling.py``): a yardstick told which document
 each page belongs to, ranking documents by exact counts of the requests seen so far (the best
 ranking an online policy can learn from independent requests), saves 0.908/0.853/0.892/0.966x
 the optimum on the synthetic skewed traces, held-out 0.865/0.881/0.910/0.976x. ``reuse`` is

@@ -65,7 +65,7 @@ def document_pages(
 ) -> dict[str, tuple[int, float]]:
     """Per full page of system prompt + document: the document's index and its probability in
     the ``skewed`` workload (what an oracle knows and an online policy must learn; used by
-    ``benchmarks/policies_ceiling.py``)."""
+    ``benchmarks/experiments/policies_ceiling.py``)."""
     system, docs, weights = _corpus(np.random.default_rng(seed), shape)
     doc_share = 1.0 - 1.0 / shape.long_every if shape.long_every else 1.0
     out: dict[str, tuple[int, float]] = {}
