@@ -85,7 +85,7 @@ def split_invariant(llm: SkippyLlama) -> bool:
     its last logits), but weights that ggml repacks for the CPU (Q4_0, Q4_K, IQ4_NL on AVX2,
     more on Arm) go through kernels that take a batch's columns in groups, so a token's
     results depend on where its batch starts and ends: Gemma 3 270M Q4_K_M changed its last
-    logits at 54 of 70 splits, by up to 1.46 (``benchmarks/probe_split.py``), and an L1 hit
+    logits at 54 of 70 splits, by up to 1.46 (``benchmarks/experiments/probe_split.py``), and an L1 hit
     reused at such a point answered differently from a cold prompt. A short prompt decoded
     whole, then split at several points, decides: any difference and reuse ends on
     ``n_ubatch`` boundaries, as on GPU builds. Costs thirteen decodes of 16 tokens or fewer
