@@ -23,7 +23,6 @@ from typing import Any, cast
 import llama_cpp
 import numpy as np
 
-from ..cache import PrefixCache
 from ..config import Settings, load_settings
 from ..costs import CostModel
 from ..events import CacheEvent
@@ -32,16 +31,17 @@ from ..identity import paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
 from ..pinned import cuda_pinner
-from ..plan import Prompt
 from ..roster import Verdict
 from ..state import KVLayout
-from ..tiers.factory import TierContext, build_tiers, wants_pages
+from ..tiers.factory import wants_pages
 from . import probes, repair
+from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
-from .recipe import native_verdict
+from .layout import read_layout, verdict
 from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder
-from .seam import SCRATCH_SEQ, KVSeam, backend_name
+from .restore import restore_prefix
+from .seam import KVSeam, backend_name
 from .status import cache_status
 from .timing import on_tokens
 
@@ -149,21 +149,7 @@ class SkippyLlama(llama_cpp.Llama):
             self.seam.buffers.pinner = cuda_pinner(backend_name(), offloaded)
         window = int(llama_cpp.llama_model_n_swa(self._model.model))
         self._sliding_window = window > 0
-        self.l1_budget_tokens = 0
-        if self.cache_disabled_reason is None and slots > 0:
-            # checkpoints hold their own cells: the default budget of n_ctx tokens keeps the KV
-            # memory at most twice what plain Llama takes
-            self.l1_budget_tokens = settings.l1.budget_tokens or self.n_ctx()
-            log.info(
-                "skippy-llama: L1 keeps up to %d resident prefixes, %d tokens in all, in %s "
-                "(KV memory at most %.1fx plain Llama's)",
-                slots,
-                self.l1_budget_tokens,
-                "device checkpoints" if on_device else "host memory (quantized K/V)",
-                1 + self.l1_budget_tokens / self.n_ctx(),
-            )
-        elif self.cache_disabled_reason is not None:
-            log.warning("skippy-llama cache disabled: %s", self.cache_disabled_reason)
+        self.l1_budget_tokens = l1_budget(self, slots)
         self._kv_layout: KVLayout | None = None
         self._layout_read = False
         self._verdict: Verdict | None = None
@@ -174,34 +160,8 @@ class SkippyLlama(llama_cpp.Llama):
         self.cache_identity = build_identity(
             self, settings, self._kv_layout, split_dependent=self.granule > 1
         )
-        layout = self._kv_layout
         costs = cost_model if cost_model is not None else CostModel()
-        pageable = self.caching and layout is not None and layout.pageable and window == 0
-        # measured by scripts/certify.py (roster/split-certified.json, gemma3 rows): the state
-        # of a sliding-window model has a second section holding only the window's cells, so
-        # pages cut from a capture cannot rebuild a shorter prefix
-        why = f"SWA model (n_swa={window})" if window else "the KV layout cannot be paged"
-        tiers = build_tiers(
-            TierContext(
-                settings=settings,
-                identity=self.cache_identity,
-                backend=backend_name(),
-                costs=costs,
-                pageable=pageable,
-                unpageable_reason=why,
-                resident_slots=range(1, slots + 1) if self.l1_budget_tokens else (),
-                l1_budget_tokens=self.l1_budget_tokens,
-                window=window,
-            )
-        )
-        self.prefix_cache = PrefixCache(
-            identity=self.cache_identity,
-            page_tokens=settings.page_tokens,
-            tiers=tiers,
-            costs=costs,
-            bytes_per_token=layout.bytes_per_token if layout else 0,
-            trace_file=settings.l3.trace_file,
-        )
+        self.prefix_cache = open_cache(self, self._kv_layout, costs, slots, window)
 
     @classmethod
     def from_package(
@@ -241,7 +201,7 @@ class SkippyLlama(llama_cpp.Llama):
         """
         if not self._layout_read and self.caching:
             try:
-                self._kv_layout = self._read_layout()
+                self._kv_layout = read_layout(self)
             except Exception as exc:  # fail-open: without a layout only L1 is used
                 log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
                 self._layout_read = True
@@ -249,35 +209,14 @@ class SkippyLlama(llama_cpp.Llama):
                 self._layout_read = self._kv_layout is not None or self.n_tokens == 0
         return self._kv_layout
 
-    def _read_layout(self) -> KVLayout | None:
-        if self.seam.live_cells() > 0:
-            if int(self.context_params.n_seq_max) <= SCRATCH_SEQ:
-                return None  # no spare sequence to share one cell with
-            return self.seam.layout_from_cell()
-        if self.n_tokens:
-            return None  # cleared behind llama-cpp-python's back: probing would hide it
-        try:
-            self.decode([self.token_bos() if self.token_bos() >= 0 else 0])
-            # both sections of a sliding-window model's state: the roster row and identity
-            # need its layout even though its states are never paged
-            return self.seam.layout_from_state()
-        finally:
-            self.drop_working()
-
     @property
     def native_verdict(self) -> Verdict:
         """Whether the loaded llama.cpp carries skippy's patches, certified for this model."""
         if self._verdict is None:
-            layout = self.kv_layout
-            verdict = native_verdict(
-                str(self.metadata.get("general.architecture", "unknown")),
-                backend_name(),
-                layout,
-                allow_uncertified=self.cache_settings.native.allow_uncertified,
-            )
-            if layout is None and not self._layout_read:
-                return verdict  # the layout may still become known: decide again then
-            self._verdict = verdict
+            found = verdict(self, self.kv_layout)
+            if self._kv_layout is None and not self._layout_read:
+                return found  # the layout may still become known: decide again then
+            self._verdict = found
         return self._verdict
 
     @property
@@ -350,53 +289,6 @@ class SkippyLlama(llama_cpp.Llama):
 
     # -- the request path: tokens -> plan -> seam -> commit ------------------------------
 
-    def _restore(self, tokens: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
-        """Put the longest cached prefix of ``tokens`` into the working sequence."""
-        cache = self.prefix_cache
-        started = time.perf_counter()
-        exact = self.live_exact()
-        prompt = Prompt(
-            tokens=tokens,
-            limit=max(len(tokens) - DECODED_SUFFIX, 0),
-            live=self.input_ids[:exact].astype(np.int32),
-            live_cells=self.seam.live_cells(),
-            granule=self.granule,
-            scored=self._scored if self._logits_all else None,
-            sliding_window=self._sliding_window,
-            can_append=cache.takes_records and self.native_verdict.append_import,
-        )
-        plan = cache.plan(prompt)
-        if plan.park:
-            # the prompt leaves the live sequence: keep it resident before it is overwritten;
-            # parking changes L1, so the plan is made again afterwards
-            parking = time.perf_counter()
-            self.guard("park", event, lambda: repair.displace(self, exact, event))
-            event.park_ms = (time.perf_counter() - parking) * 1e3
-            plan = cache.plan(prompt)
-        event.lookup_ms = (time.perf_counter() - started) * 1e3 - event.park_ms
-        # Llama.generate would reuse the live sequence up to the last token, generated tokens
-        # included; only the exact part may be reused
-        self.n_tokens = self._exact = plan.keep
-        if self._logits_all:
-            self._scored = plan.keep
-        restoring = time.perf_counter()
-        append = prompt.can_append
-        outcome = self.seam.execute(plan, prompt, cache, self.kv_layout, append=append)
-        n = outcome.n_tokens
-        if outcome.restored:
-            self.input_ids[:n] = tokens[:n]
-            self._requires_eval = True
-        self.n_tokens = self._exact = n
-        event.restore_ms = (time.perf_counter() - restoring) * 1e3
-        event.tier = outcome.tier
-        event.cached_tokens = n
-        event.restored_bytes = outcome.restored_bytes
-        if outcome.plan.base_tokens:
-            event.l1_tokens = outcome.plan.base_tokens
-            event.appended_tokens = outcome.plan.appended_tokens
-        event.fallbacks.extend(outcome.fallbacks)
-        cache.commit(plan, outcome, prompt)
-
     def _finish(self, event: CacheEvent, prompt_tokens: int, *, repairable: bool) -> None:
         """A request ended: remember its reply and record what the tiers lack."""
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
@@ -417,7 +309,7 @@ class SkippyLlama(llama_cpp.Llama):
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
         self.recorder.unless_continued(prompt)
-        self._restore(prompt, event)
+        restore_prefix(self, prompt, event)
         self.in_generate = True
         self.last_sampled = None
 
@@ -455,7 +347,7 @@ class SkippyLlama(llama_cpp.Llama):
         event = CacheEvent(prompt_tokens=len(whole))
         started = time.perf_counter()
         self.recorder.unless_continued(whole)
-        self._restore(whole, event)
+        restore_prefix(self, whole, event)
         self.decode(whole[self.n_tokens :].tolist())
         elapsed_ms = (time.perf_counter() - started) * 1e3
         event.prefill_ms = elapsed_ms - event.park_ms - event.lookup_ms - event.restore_ms
@@ -464,34 +356,13 @@ class SkippyLlama(llama_cpp.Llama):
         self._finish(event, len(whole), repairable=False)
 
     def prepare_next_turn(self) -> int:
-        """Do now what the next request would otherwise do first: re-decode the last reply,
-        and keep the chat resident when several chats take turns.
-
-        A reply's tokens are decoded one at a time, and those cells differ in the low bits from
-        the batched prefill a cold prompt gets; so a next turn that extends the reply decodes
-        the reply again inside its own prefill (exactness, see ``l1.repair_generated``). Called
-        while nothing else is waiting (a chat app while its user types; ``skippy-llama serve``
-        when no request follows a reply within ``--idle-repair-after``), this re-decodes the
-        reply as one batch, on the same canonical boundaries a cold prefill uses, so the next
-        turn reuses it and prefills only its new tokens. After a chat reply the batch also
-        holds the tokens the chat template puts before the next user message (``chat_head.py``),
-        which the next prompt then reuses too. Where lone decodes are exact
-        (``lone_decodes_exact``) the reply is reusable as generated, and only that head (with
-        the reply's last sampled token) is decoded. Outputs do not change: the cells are those a
-        cold prefill computes, and a next prompt that does not continue that way keeps only
-        what matches. Like every ``Llama`` method it must not run concurrently
-        with another call on the same object.
-
-        Once a prompt has left the live sequence in this process (several chats or documents
-        take turns), the prepared chat is also checkpointed as a resident prefix now
-        (``parked_ahead``), so a request from another chat restores its own prefix without
-        first checkpointing this one. A single linear chat never displaces its live sequence
-        and pays no checkpoint here. An L3 record left waiting (``defer_record_tokens``) is
-        made here too.
+        """Do now, while nothing waits, what the next request would otherwise do first:
+        re-decode the last reply as one batch (so the next turn reuses it exactly), decode the
+        chat template's head after it, keep the chat resident when several chats take turns,
+        and make a waiting L3 record. Outputs do not change. See ``runtime/repair.py``.
 
         Returns:
-            the tokens decoded: 0 when there is nothing to do (no reply in the live
-            sequence, already prepared, caching off, or a streamed reply still being read).
+            the tokens decoded: 0 when there is nothing to do.
         """
         return repair.prepare_next_turn(self)
 

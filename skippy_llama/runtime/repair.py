@@ -56,7 +56,34 @@ def displace(llm: SkippyLlama, exact: int, event: CacheEvent) -> None:
 
 
 def prepare_next_turn(llm: SkippyLlama) -> int:
-    """See :meth:`SkippyLlama.prepare_next_turn`."""
+    """Do now what the next request would otherwise do first: re-decode the last reply,
+    and keep the chat resident when several chats take turns.
+
+    A reply's tokens are decoded one at a time, and those cells differ in the low bits from
+    the batched prefill a cold prompt gets; so a next turn that extends the reply decodes
+    the reply again inside its own prefill (exactness, see ``l1.repair_generated``). Called
+    while nothing else is waiting (a chat app while its user types; ``skippy-llama serve``
+    when no request follows a reply within ``--idle-repair-after``), this re-decodes the
+    reply as one batch, on the same canonical boundaries a cold prefill uses, so the next
+    turn reuses it and prefills only its new tokens. After a chat reply the batch also
+    holds the tokens the chat template puts before the next user message (``chat_head.py``),
+    which the next prompt then reuses too. Where lone decodes are exact
+    (``lone_decodes_exact``) the reply is reusable as generated, and only that head (with
+    the reply's last sampled token) is decoded. Outputs do not change: the cells are those a
+    cold prefill computes, and a next prompt that does not continue that way keeps only
+    what matches. Like every ``Llama`` method it must not run concurrently
+    with another call on the same object.
+
+    Once a prompt has left the live sequence in this process (several chats or documents
+    take turns), the prepared chat is also checkpointed as a resident prefix now
+    (``parked_ahead``), so a request from another chat restores its own prefix without
+    first checkpointing this one. A single linear chat never displaces its live sequence
+    and pays no checkpoint here. An L3 record left waiting (``defer_record_tokens``) is
+    made here too.
+
+    Returns the tokens decoded: 0 when there is nothing to do (no reply in the live sequence,
+    already prepared, caching off, or a streamed reply still being read).
+    """
     if not llm.caching or llm.in_generate:
         return 0
     llm.recorder.flush()  # idle time: the capture costs no request anything
