@@ -77,14 +77,14 @@ def bench_size(
         store = Path(tmp)
         recorder = SkippyLlama(model, cache_settings=_settings(store, l1=False), **common)
         record_s: list[float] = []
-        original = recorder._record
+        original = recorder.recorder.after_request
 
         def timed_record(event: Any) -> None:
             started = time.perf_counter()
             original(event)
             record_s.append(time.perf_counter() - started)
 
-        recorder._record = timed_record  # type: ignore[method-assign]
+        recorder.recorder.after_request = timed_record  # type: ignore[method-assign]
         recorder.eval(base)  # L3 gets the prefix (all but its last two tokens)
         recorder.close()
         sk = SkippyLlama(model, cache_settings=Settings(), **common)
@@ -127,7 +127,14 @@ def bench_size(
 
 #: SkippyLlama steps timed in the chat (inclusive wall time, summed over the chat): where its
 #: extra time over plain ``Llama`` goes
-CHAT_STEPS = ("_restore", "_repair", "_record", "_capture", "_record_deferred", "_park")
+CHAT_STEPS = ("execute", "park", "after_request", "capture", "flush")
+#: where each step lives: the seam, the runtime or its recorder
+_STEP_OWNER = {
+    "execute": "seam",
+    "capture": "seam",
+    "after_request": "recorder",
+    "flush": "recorder",
+}
 
 
 def _timed_steps(llm: SkippyLlama) -> dict[str, float]:
@@ -145,7 +152,8 @@ def _timed_steps(llm: SkippyLlama) -> dict[str, float]:
         return timed
 
     for name in CHAT_STEPS:
-        setattr(llm, name, wrap(name, getattr(llm, name)))
+        owner = getattr(llm, _STEP_OWNER[name]) if name in _STEP_OWNER else llm
+        setattr(owner, name, wrap(name, getattr(owner, name)))
     return spent
 
 

@@ -18,7 +18,7 @@ here is a timed assertion. Results go to a JSON file and a small table is printe
    hit) with ``max_tokens=16`` through the cache-on instance (which parks the sequence after
    each request: a KV stream copy, plus the batched re-decode of the generated tokens, "repair")
    and the cache-off instance, alternating the order. The park and repair steps are timed
-   separately by wrapping the instance's ``_park`` and ``_repair`` methods, and the stream copy
+   separately by wrapping the instance's ``park`` and its seam's ``execute``, and the stream copy
    that llama.cpp defers to the next decode by a one-token decode with and without it.
 
 Usage::
@@ -118,7 +118,7 @@ def last_logits(llm: llama_cpp.Llama) -> np.ndarray[Any, np.dtype[np.float32]]:
 
 @dataclass
 class StepTimer:
-    """Accumulates the wall time of wrapped instance methods (``_park``, ``_repair``)."""
+    """Accumulates the wall time of wrapped instance methods (``park``, the seam's ``execute``)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -194,7 +194,7 @@ def complete(
         cached_tokens=event.cached_tokens,
         suffix_tokens=event.suffix_tokens,
         repaired_tokens=event.repaired_tokens,
-        park_ms=steps.get("_park", 0.0),
+        park_ms=steps.get("park", 0.0),
         repair_ms=steps.get("_repair", 0.0),
         text=result["choices"][0]["text"],
     )
@@ -380,7 +380,7 @@ def bench_capture(
 def bench_deferred_copy(llm_on: SkippyLlama, *, tries: int) -> dict[str, Any]:
     """Time the KV stream copy that parking schedules but llama.cpp performs at the next decode.
 
-    ``_park`` only calls ``llama_memory_seq_cp`` between two KV streams; llama.cpp copies the
+    ``park`` only calls ``llama_memory_seq_cp`` between two KV streams; llama.cpp copies the
     whole stream buffer (every layer's K and V, all ``n_ctx`` cells) when the next batch is
     decoded, so that cost is not in ``park_ms``. Here one-token decodes of the working sequence
     alternate with and without a pending copy into an empty resident slot; the difference of the
@@ -517,8 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm_on = SkippyLlama(str(model), cache_settings=on_settings, **common)
     llm_off = SkippyLlama(str(model), cache_settings=off_settings, **common)
     timer = StepTimer()
-    timer.wrap(llm_on, "_park")
-    timer.wrap(llm_on, "_repair")
+    timer.wrap(llm_on, "park")
+    timer.wrap(llm_on.seam, "execute")
 
     # warm up both instances (allocations, page faults) on a prompt neither benchmark uses
     warmup = text_tokens(llm_on, 5000, 256, bos=True)

@@ -100,13 +100,13 @@ from overhead_workloads import (
 #: contains one of the substrings. Times are inclusive and groups may nest (capture includes
 #: get_seq_state); a function absent from the runtime simply adds nothing.
 PROFILE_GROUPS: dict[str, tuple[str, ...]] = {
-    "lookup": ("lookup",),
-    "restore": ("_restore", "_load_pages", "_copy_resident", "restore_checkpoint"),
-    "repair": ("_repair",),
-    "park_copies": ("_park", "_apply_pending_copies", "_scratch_decode", "checkpoint"),
-    "capture": ("_record", "get_seq_state"),
+    "plan": ("plan", "walk", "match"),
+    "restore": ("restore_prefix", "execute", "_load_pages", "_copy_checkpoint", "commit"),
+    "repair": ("repair", "displace"),
+    "park_copies": ("park", "checkpoint"),
+    "capture": ("after_request", "capture", "get_seq_state"),
     "l3_writer": ("plan_record", "submit", "enqueue", "compress"),
-    "decode": ("_decode",),
+    "decode": ("decode",),
 }
 
 PROFILE = os.environ.get("SKIPPY_BENCH_PROFILE", "chat")  # "chat", "all" or "off"

@@ -4,7 +4,7 @@ After a request, SkippyLlama captures the prompt's new cells and queues them for
 for one prompt of ``--tokens`` random tokens (L1 off, L3 on in a fresh directory, the built-in
 model unless ``--model``):
 
-- ``record_s``: the request path's part (``SkippyLlama._record``: capture and queueing);
+- ``record_s``: the request path's part (``Recorder.after_request``: capture and queueing);
 - ``close_s``: ``close()``, which waits for the writer (cutting pages, compressing, writing);
 - ``cold_s``: the prompt's prefill, the yardstick (``record_s / cold_s``).
 
@@ -53,14 +53,14 @@ with tempfile.TemporaryDirectory() as tmp:
     )
     tokens = [int(t) for t in np.random.default_rng(0).integers(100, llm.n_vocab() - 100, n)]
     spent = []
-    real = llm._record
+    real = llm.recorder.after_request
 
     def timed(event):
         started = time.perf_counter()
         real(event)
         spent.append(time.perf_counter() - started)
 
-    llm._record = timed
+    llm.recorder.after_request = timed  # type: ignore[method-assign]
     started = time.perf_counter()
     llm.eval(tokens)  # records the prompt after its prefill (timed apart)
     cold = time.perf_counter() - started - spent[0]

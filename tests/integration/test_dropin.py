@@ -457,9 +457,9 @@ def test_checkpoints_that_cost_more_than_their_prefill_are_skipped(smollm2_path:
     skippy = SkippyLlama(str(smollm2_path), n_ctx=1024, verbose=False, cache_settings=Settings())
     try:
         assert [_complete(skippy, p, max_tokens=6) for p in prompts] == want  # parks prompt 0
-        costs = skippy._l1_costs
+        costs = skippy.prefix_cache.costs
         assert costs.prefill_seconds_per_token is not None and costs.park_seconds is not None
-        costs.restore_seconds = 1e3  # as if a restore took longer than any prefill here
+        costs.checkpoint_restore_seconds = 1e3  # as if a restore took longer than any prefill here
         assert _complete(skippy, prompts[0], max_tokens=6) == want[0]
         skipped = skippy.last_cache_event
         counters = skippy.prefix_cache.counters
@@ -469,7 +469,7 @@ def test_checkpoints_that_cost_more_than_their_prefill_are_skipped(smollm2_path:
         parks = counters.park_skipped
         assert _complete(skippy, prompts[1], max_tokens=6) == want[1]  # leaves prompt 0's chat
         assert counters.park_skipped == parks + 1  # not kept: it could never repay its park
-        costs.restore_seconds = 0.0
+        costs.checkpoint_restore_seconds = 0.0
         assert _complete(skippy, prompts[0], max_tokens=6) == want[0]
         resumed = skippy.last_cache_event
         assert resumed is not None and resumed.tier == "l1" and resumed.cached_tokens > 100

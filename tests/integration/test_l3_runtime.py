@@ -672,9 +672,10 @@ def test_a_new_process_starts_with_the_costs_the_last_one_measured(
     settings = l3_settings(tmp_path / "l3", l1={"enabled": False})
     first = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
     try:
-        admission = first.prefix_cache.admission
         disk = first.prefix_cache.disk
-        assert admission is not None and disk is not None and disk.learned is not None
+        assert disk is not None and disk.learned is not None
+        admission = disk.admission
+        assert admission is not None and admission.costs is first.prefix_cache.costs
         assert not disk.learned.loaded and not admission.costs.measured
         for prompt in (PROMPTS[0], UNRELATED):
             complete(first, prompt)
@@ -688,9 +689,10 @@ def test_a_new_process_starts_with_the_costs_the_last_one_measured(
 
     second = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
     try:
-        admission = second.prefix_cache.admission
         disk = second.prefix_cache.disk
-        assert admission is not None and disk is not None and disk.learned is not None
+        assert disk is not None and disk.learned is not None
+        admission = disk.admission
+        assert admission is not None
         assert disk.learned.loaded
         costs = admission.costs
         assert (costs.prefill_seconds_per_token, costs.restore_seconds_per_byte) == learned
