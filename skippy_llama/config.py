@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -266,6 +266,17 @@ def _remote_url(value: object) -> str | None:
     if not db.isdigit():
         raise ValueError(f"database {db!r} is not a number")
     return text
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (status output, logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class RemoteSettings(BaseModel):

@@ -29,12 +29,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from ...codecs import decode
-from ...config import RemoteSettings
+from ...config import RemoteSettings, redact_url
 from ...errors import ConfigError, StateFormatError, TierError, UnknownCodecError
 from ..l3.auth import Signer, load_secret
 from ..l3.schema import Manifest
@@ -68,18 +67,6 @@ class PushResult:
     bytes_sent: int = 0  # page frames sent
     manifest_sent: bool = False
     skipped: str | None = None  # why nothing was sent: breaker_open, writes_suspended, failed
-
-
-def redact(url: str) -> str:
-    """``url`` without its password (status output, logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class RemoteTier:
@@ -446,7 +433,7 @@ class RemoteTier:
         assert self.settings.url is not None
         return {
             "state": "closed" if self._closed else ("off" if breaker.state == "open" else "on"),
-            "url": redact(self.settings.url),
+            "url": redact_url(self.settings.url),
             "namespace": self.settings.namespace,
             "secret_id": self.keys.secret,
             "ttl": self.settings.ttl,
@@ -494,7 +481,7 @@ class RemoteTier:
                 models[man.model_identity] = man.model_name
         except redis.exceptions.RedisError as exc:
             raise TierError(
-                f"remote server {redact(self.settings.url or '')} unavailable: "
+                f"remote server {redact_url(self.settings.url or '')} unavailable: "
                 f"{failure_reason(exc)}: {exc}"
             ) from None
         version = info.get("valkey_version") or info.get("redis_version")
@@ -572,7 +559,7 @@ class RemoteTier:
                 removed += int(self._client.unlink(*batch))
         except redis.exceptions.RedisError as exc:
             raise TierError(
-                f"remote server {redact(self.settings.url or '')} unavailable: "
+                f"remote server {redact_url(self.settings.url or '')} unavailable: "
                 f"{failure_reason(exc)}: {exc}"
             ) from None
         return {"identity": identity_hex, "keys_removed": removed}
@@ -617,7 +604,7 @@ class RemoteTier:
             removed = int(self._client.unlink(*pages)) if pages else 0
         except redis.exceptions.RedisError as exc:
             raise TierError(
-                f"remote server {redact(self.settings.url or '')} unavailable: "
+                f"remote server {redact_url(self.settings.url or '')} unavailable: "
                 f"{failure_reason(exc)}: {exc}"
             ) from None
         return {
