@@ -397,3 +397,74 @@ def test_the_secret_is_required_and_must_be_private(tmp_path: Path) -> None:
         make_tier("redis://127.0.0.1:1/0", short)
     with pytest.raises(ConfigError, match=r"remote\.secret_file.*cannot read"):
         make_tier("redis://127.0.0.1:1/0", tmp_path / "absent.key")
+
+
+# ---------------------------------------------------------------------- kv-cache --remote
+
+
+def remote_flags(url: str, secret: Path) -> list[str]:
+    return ["--remote-url", url, "--remote-secret-file", str(secret)]
+
+
+def test_kv_cache_status_prune_and_clear_act_on_the_remote_tier(
+    redis_clean: RedisServer, secret: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from skippy_llama.cli.main import main
+
+    rec_a, keys_a, _ = make_record(ROOT_A, 20, 3)
+    rec_b, keys_b, payloads_b = make_record(ROOT_B, 21, 2)
+    rec_b = PrefixRecord(rec_b.cache_identity, "model-b", "other", rec_b.n_tokens, rec_b.pages)
+    with make_tier(redis_clean.url, secret) as tier:
+        tier.push(rec_a)
+        tier.push(rec_b)
+    flags = remote_flags(redis_clean.url, secret)
+    assert main(["kv-cache", "status", "--remote", "--json", *flags]) == 0
+    report = json.loads(capsys.readouterr().out)
+    inventory = report["server"]["inventory"]
+    assert inventory[ROOT_A.hex()]["pages"] == 3 and inventory[ROOT_B.hex()]["manifests"] == 1
+    assert report["tier"]["breaker"]["state"] == "closed"
+    assert main(["kv-cache", "status", "--remote", *flags]) == 0
+    assert "remote tier: redis://" in capsys.readouterr().out
+
+    # the server lost a page of A's prefix: prune removes the pages after it
+    client = redis_clean.client()
+    with make_tier(redis_clean.url, secret) as tier:
+        client.delete(tier.keys.page(ROOT_A.hex(), keys_a[1]))
+    assert main(["kv-cache", "prune", "--remote", "--yes", "--json", *flags]) == 0
+    (pruned,) = json.loads(capsys.readouterr().out)
+    assert pruned["pages_removed"] == 1 and pruned["manifests_cut"] == 1
+
+    # clear one model's keys: the other's stay
+    argv = ["kv-cache", "clear", "--remote", "--model-identity", "model-a", "--yes", *flags]
+    assert main(argv) == 0
+    assert "cleared 2 remote keys" in capsys.readouterr().out  # page 0 and the cut manifest
+    with make_tier(redis_clean.url, secret) as tier:
+        assert tier.match(ROOT_A, keys_a) == 0
+        assert tier.fetch(keys_b, root=ROOT_B) == payloads_b
+    argv = ["kv-cache", "clear", "--remote", "--cache-identity", ROOT_B.hex(), "--yes", *flags]
+    assert main(argv) == 0
+    assert "cleared 3 remote keys" in capsys.readouterr().out
+
+
+def test_kv_cache_remote_errors_name_what_is_wrong(
+    redis_clean: RedisServer, secret: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skippy_llama.cli.main import main
+
+    assert main(["kv-cache", "status", "--remote"]) == 2
+    assert "remote.url is not set" in capsys.readouterr().err
+    assert main(["kv-cache", "status", "--remote", "--remote-url", redis_clean.url]) == 2
+    assert "remote.secret_file" in capsys.readouterr().err
+    flags = remote_flags(redis_clean.url, secret)
+    assert main(["kv-cache", "clear", "--remote", "--model-identity", "nope", "--yes", *flags]) == 2
+    assert "unknown model identity 'nope'" in capsys.readouterr().err
+    assert main(["kv-cache", "clear", "--cache-identity", ROOT_A.hex(), "--yes"]) == 2
+    assert "with --remote" in capsys.readouterr().err
+    redis_clean.kill()
+    try:
+        assert main(["kv-cache", "status", "--remote", *flags]) == 2
+        assert "unavailable: connection" in capsys.readouterr().err
+    finally:
+        redis_clean.start()
