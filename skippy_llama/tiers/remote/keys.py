@@ -57,6 +57,8 @@ class Keys:
     ) -> bytes:
         """A SCAN MATCH pattern for one identity's keys (or all), of one kind (or all), under
         this secret (``mine``) or any."""
+        if kind is None and not mine:
+            return self.prefix(identity_hex) + b"*"
         ident = b"*" if identity_hex is None else check_identity(identity_hex).encode()
         secret = self.secret.encode() if mine else b"*"
         tail = b"*" if kind is None else kind + b":*"

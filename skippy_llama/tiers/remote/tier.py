@@ -219,7 +219,7 @@ class RemoteTier:
         serve fewer."""
         if not keys:
             return 0
-        self._add("lookups")
+        self._add("requests")
         ident = root.hex()
         names = [self.keys.page(ident, key) for key in keys]
 
@@ -423,7 +423,7 @@ class RemoteTier:
         activity = {
             name: counts.get(name, 0)
             for name in (
-                "lookups", "hits", "misses", "pages_matched", "fetches", "pages_fetched",
+                "requests", "hits", "misses", "pages_matched", "fetches", "pages_fetched",
                 "bytes_in", "pushes", "pages_sent", "pages_present", "bytes_out",
                 "manifests_sent", "manifests_present", "manifest_bytes_out",
                 "pages_without_bytes", "skipped_breaker_open", "skipped_writes_suspended",
