@@ -79,15 +79,13 @@ def list_prefixes(tier: DiskTier) -> list[Manifest]:
     return sorted(_manifests(tier), key=lambda m: m.created)
 
 
-def export_prefix(tier: DiskTier, prefix_or_id: str, out: Path, key_file: Path) -> ExportResult:
-    """Write the prefix ``prefix_or_id`` of L3 as a bundle at ``out``, signed with the ed25519
-    private key in ``key_file``.
+def read_prefix(tier: DiskTier, man: Manifest) -> list[BundlePage]:
+    """The pages of L3 prefix ``man``: parent, tokens (L3's child index, checked against the
+    chain key) and bytes (read and verified by L3, stored here with the zstd codec).
 
     Raises:
-        SkippyError: no such prefix, a page is missing or fails L3's checks, or a bad key.
+        SkippyError: a page is no longer indexed or does not read.
     """
-    key = load_private_key(key_file)
-    man = find_manifest(tier, prefix_or_id)
     pages: list[BundlePage] = []
     parent = man.root
     for i, mpage in enumerate(man.pages):
@@ -105,6 +103,38 @@ def export_prefix(tier: DiskTier, prefix_or_id: str, out: Path, key_file: Path) 
             if used == mpage.n_tokens
             else chain_key(parent, tokens_array(tokens[: 4 * used]))
         )
+    return pages
+
+
+def prefix_record(man: Manifest, pages: list[BundlePage]) -> PrefixRecord:
+    """A prefix record of ``pages`` (every page new, decoded), as L3's and the remote tier's
+    writers take it.
+
+    Raises:
+        BundleRefused: a page does not decode.
+    """
+    blobs = []
+    for i, page in enumerate(pages):
+        try:
+            data = bytes(decode(page.stored, page.n_tokens))
+        except SkippyError as exc:
+            raise BundleRefused(f"page {i} does not decode: {exc}") from None
+        blobs.append(PageBlob(page.key, page.parent, page.n_tokens, page.tokens, data, page.used))
+    return PrefixRecord(
+        man.cache_identity, man.model_identity, man.model_name, man.n_tokens, tuple(blobs)
+    )
+
+
+def export_prefix(tier: DiskTier, prefix_or_id: str, out: Path, key_file: Path) -> ExportResult:
+    """Write the prefix ``prefix_or_id`` of L3 as a bundle at ``out``, signed with the ed25519
+    private key in ``key_file``.
+
+    Raises:
+        SkippyError: no such prefix, a page is missing or fails L3's checks, or a bad key.
+    """
+    key = load_private_key(key_file)
+    man = find_manifest(tier, prefix_or_id)
+    pages = read_prefix(tier, man)
     size = write_bundle(out, man, pages, key)
     return ExportResult(
         man.id.hex(), man.model_identity, man.cache_identity, len(pages), man.n_tokens, size
@@ -132,16 +162,10 @@ def import_bundle(
     """
     bundle = check_bundle(path, trust_path)
     man = bundle.manifest
-    blobs = []
-    for i, page in enumerate(bundle.pages):
-        try:
-            data = bytes(decode(page.stored, page.n_tokens))
-        except SkippyError as exc:
-            raise BundleRefused(f"{path}: page {i} does not decode: {exc}") from None
-        blobs.append(PageBlob(page.key, page.parent, page.n_tokens, page.tokens, data, page.used))
-    record = PrefixRecord(
-        man.cache_identity, man.model_identity, man.model_name, man.n_tokens, tuple(blobs)
-    )
+    try:
+        record = prefix_record(man, list(bundle.pages))
+    except BundleRefused as exc:
+        raise BundleRefused(f"{path}: {exc}") from None
     if not tier.serving:
         raise SkippyError(f"L3 is {tier.state}: cannot import into {tier.directory}")
     if not tier.record(record) or not tier.flush(timeout):
