@@ -468,3 +468,36 @@ def test_kv_cache_remote_errors_name_what_is_wrong(
         assert "unavailable: connection" in capsys.readouterr().err
     finally:
         redis_clean.start()
+
+
+def test_push_takes_l3_stored_bytes_and_loads_reused_pages(
+    redis_clean: RedisServer, secret: Path
+) -> None:
+    """What the L3 writer hands over: ``stored`` (the compressed bytes L3 wrote, fetched back
+    as the page itself), and reused pages (no payload in the record) loaded from L3 or, without
+    a loader, the prefix pushed up to them."""
+    from skippy_llama.codecs import encode
+
+    record, keys, payloads = make_record(ROOT_A, 30, 4)
+    stored = {page.key: encode(page.data, "zstd") for page in record.pages}
+    # the same prefix as a later record sees it: pages 0-1 reused (stored earlier), 2-3 new
+    reused = tuple(
+        PageBlob(p.key, p.parent, p.n_tokens, p.tokens, None if i < 2 else p.payload, p.used)
+        for i, p in enumerate(record.pages)
+    )
+    later = PrefixRecord(
+        record.cache_identity, record.model_identity, "synthetic", record.n_tokens, reused
+    )
+    with make_tier(redis_clean.url, secret) as tier:
+        cut = tier.push(later)  # page 0 has no bytes here: nothing can be pushed
+        assert (cut.pages_sent, cut.manifest_sent) == (0, False)
+        assert tier.status()["activity"]["pages_without_bytes"] == 1
+        full = tier.push(later, stored=stored)
+        assert full.pages_sent == 4 and full.manifest_sent
+        # the bytes L3 stored (the zstd frames) went out, not the pages again
+        assert full.bytes_sent == sum(len(v) + remote_codec.HEADER_BYTES for v in stored.values())
+        assert tier.fetch(keys, root=ROOT_A) == payloads
+        tier.clear()
+        by_load = tier.push(later, load=dict(zip(keys, payloads, strict=True)).get)
+        assert by_load.pages_sent == 4
+        assert tier.fetch(keys, root=ROOT_A) == payloads
