@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -78,6 +80,13 @@ _EXAMPLES = {
     "l3.policy": "'reuse' (default), 'lru' or 'shipped'",
     "l3.trace_file": "'/tmp/skippy-trace.jsonl'",
     "l3.secret_file": "'/etc/skippy-llama/l3.key' (created with `head -c 32 /dev/urandom`)",
+    "remote.url": "'redis://cache-host:6379/0' or 'unix:///run/redis/redis.sock'",
+    "remote.secret_file": "'/etc/skippy-llama/remote.key' (created with `head -c 32 /dev/urandom`)",
+    "remote.timeout_ms": "250",
+    "remote.namespace": "'skippy' (letters, digits, '.', '_', '-')",
+    "remote.ttl": "604800 (seconds; none: keys never expire)",
+    "remote.breaker_failures": "3",
+    "remote.breaker_backoff_s": "10",
 }
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -233,6 +242,117 @@ class L3Settings(BaseModel):
         return self
 
 
+#: Schemes ``remote.url`` may use: TCP (``rediss``: TLS), or a Unix socket.
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
+_REMOTE_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _remote_url(value: object) -> str | None:
+    """``remote.url`` checked for shape (the tier connects lazily; a server that is down at
+    start is a miss, not an error): a scheme of :data:`REMOTE_SCHEMES`, a host (TCP) or an
+    absolute socket path (unix), a database number, no unknown query parameters."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    text = str(value).strip()
+    try:
+        url = urlsplit(text)
+        port = url.port
+    except ValueError as exc:
+        raise ValueError(f"does not parse as a URL: {exc}") from None
+    if url.scheme not in REMOTE_SCHEMES:
+        raise ValueError(f"scheme {url.scheme!r} is not one of {', '.join(REMOTE_SCHEMES)}")
+    if url.scheme == "unix":
+        if not url.path.startswith("/") or url.netloc:
+            raise ValueError("a unix URL names an absolute socket path: unix:///path/to.sock")
+        db = parse_qs(url.query).get("db", ["0"])[-1]
+        extra = set(parse_qs(url.query)) - {"db"}
+    else:
+        if not url.hostname:
+            raise ValueError("names no host")
+        if port == 0:
+            raise ValueError("port 0")
+        db = url.path.lstrip("/") or "0"
+        extra = set(parse_qs(url.query))
+    if extra:
+        raise ValueError(f"unknown query parameters {sorted(extra)}")
+    if not db.isdigit():
+        raise ValueError(f"database {db!r} is not a number")
+    return text
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (status output, logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+class RemoteSettings(BaseModel):
+    """The shared remote tier on a Redis-protocol server (Redis, Valkey); off without a URL."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: Annotated[str | None, BeforeValidator(_remote_url)] = Field(
+        None,
+        description=(
+            "redis://host:port/db (rediss:// for TLS) or unix:///path/to.sock?db=N; "
+            "unset: no remote tier"
+        ),
+    )
+    secret_file: Annotated[Path, BeforeValidator(_absolute_file)] | None = Field(
+        None,
+        description=(
+            "a file holding the secret every instance sharing the server holds (16-4096 bytes, "
+            "not readable by others): every value is tagged with an HMAC under it, and one "
+            "without a valid tag is a miss; required with remote.url"
+        ),
+    )
+    timeout_ms: int = Field(
+        250, ge=1, le=60_000, description="connect and per-command timeout (ms)"
+    )
+    namespace: str = Field(
+        "skippy", description="key prefix on the server (several deployments can share one)"
+    )
+    ttl: int | None = Field(
+        None,
+        ge=1,
+        description="seconds a pushed page or manifest lives unless pushed again (none: no expiry)",
+    )
+    breaker_failures: int = Field(
+        3, ge=1, le=1000, description="consecutive failures that turn the tier off for a while"
+    )
+    breaker_backoff_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="how long the tier stays off after breaker_failures (doubles while it fails)",
+    )
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_shape(cls, value: str) -> str:
+        if not _REMOTE_NAMESPACE.fullmatch(value):
+            raise ValueError("must be 1-64 letters, digits, '.', '_' or '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> RemoteSettings:
+        if self.url is not None and self.secret_file is None:
+            raise ValueError(
+                "remote.url is set but remote.secret_file is not: the remote tier needs the "
+                "shared secret every instance holds, e.g. SKIPPY_REMOTE__SECRET_FILE="
+                "/etc/skippy-llama/remote.key (created with `head -c 32 /dev/urandom`)"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+
 class NativeSettings(BaseModel):
     """Skippy's patched llama.cpp calls (range export, append import), see ``patches/``."""
 
@@ -277,6 +397,7 @@ class Settings(BaseSettings):
     l1: L1Settings = Field(default_factory=lambda: L1Settings())
     l2: L2Settings = Field(default_factory=L2Settings)
     l3: L3Settings = Field(default_factory=lambda: L3Settings())
+    remote: RemoteSettings = Field(default_factory=lambda: RemoteSettings())
     native: NativeSettings = Field(default_factory=NativeSettings)
 
     @classmethod

@@ -1,4 +1,5 @@
-"""``skippy-llama kv-cache status|prune|clear``: inspect and manage the L3 disk store.
+"""``skippy-llama kv-cache status|prune|clear``: inspect and manage the L3 disk store (and, with
+``--remote``, the remote tier; ``export|import|keygen``: signed bundles, see ``handoff.py``).
 
 Settings come from the same flags, ``SKIPPY_*`` environment and config file as ``skippy-llama
 run`` (see :mod:`skippy_llama.cli.options`), so ``status`` describes exactly the store a run would
@@ -22,7 +23,7 @@ from ..packages.kvdtype import KVDtypeResolution
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
 from ..tiers.l3.report import status_report
-from . import simulate
+from . import handoff, simulate
 from .options import (
     add_kv_dtype_arguments,
     add_settings_arguments,
@@ -63,6 +64,7 @@ def register(sub: Any) -> None:
     )
     add_settings_arguments(status)
     add_kv_dtype_arguments(status)
+    handoff.add_remote_flag(status)
     status.set_defaults(handler=cmd_status)
 
     prune = actions.add_parser(
@@ -79,6 +81,7 @@ def register(sub: Any) -> None:
     prune.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     prune.add_argument("--json", action="store_true", help="print the result as JSON")
     add_settings_arguments(prune)
+    handoff.add_remote_flag(prune, identity=True)
     prune.set_defaults(handler=cmd_prune)
 
     clear = actions.add_parser("clear", help="remove every entry, or one model's entries")
@@ -86,8 +89,10 @@ def register(sub: Any) -> None:
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     clear.add_argument("--json", action="store_true", help="print the result as JSON")
     add_settings_arguments(clear)
+    handoff.add_remote_flag(clear, identity=True)
     clear.set_defaults(handler=cmd_clear)
     simulate.register(actions)
+    handoff.register(actions)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -137,8 +142,12 @@ def _confirm(question: str, yes: bool) -> bool:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """``kv-cache status [--json]``."""
+    """``kv-cache status [--json] [--remote]``."""
     loaded = settings_from_args(args)
+    if args.remote:
+        remote = handoff.remote_status(loaded)
+        print(json.dumps(remote, indent=2) if args.json else handoff.format_remote_status(remote))
+        return 0
     # Read-only: status must not change the store (not even diskcache's settings table, nor a
     # missing directory); it reports the latest reconciliation recorded.
     tier = DiskTier(loaded.settings.l3, reconcile=False, close_at_exit=False, read_only=True)
@@ -294,9 +303,18 @@ def format_status(report: dict[str, Any]) -> str:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    """``kv-cache prune [--target SIZE] [--model-identity ID] [--yes]``."""
-    loaded = settings_from_args(args)
+    """``kv-cache prune [--target SIZE] [--model-identity ID] [--yes] [--remote]``."""
     _check_model_flag(args.model_identity)
+    if args.cache_identity is not None and not args.remote:
+        raise ConfigError("--cache-identity names remote keys: give it with --remote")
+    if args.remote:
+        if args.target is not None:
+            raise ConfigError(
+                "--target does not apply to --remote: the server's maxmemory and eviction "
+                "policy bound its size; prune --remote removes what can no longer be served"
+            )
+        return handoff.remote_change(args, "prune")
+    loaded = settings_from_args(args)
     target: int | None = None
     if args.target is not None:
         try:
@@ -336,9 +354,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    """``kv-cache clear [--model-identity ID] [--yes]``."""
-    loaded = settings_from_args(args)
+    """``kv-cache clear [--model-identity ID] [--yes] [--remote]``."""
     _check_model_flag(args.model_identity)
+    if args.cache_identity is not None and not args.remote:
+        raise ConfigError("--cache-identity names remote keys: give it with --remote")
+    if args.remote:
+        return handoff.remote_change(args, "clear")
+    loaded = settings_from_args(args)
     tier = _open_for_change(loaded, "clear")
     try:
         tier.check_model_identity(args.model_identity)

@@ -69,6 +69,37 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "builds, none on GPU builds)",
     )
     group.add_argument(
+        "--remote-url",
+        metavar="URL",
+        default=None,
+        help="shared remote tier: redis://host:6379/0 or unix:///path/to.sock (Redis or Valkey; "
+        "default off); needs --remote-secret-file",
+    )
+    group.add_argument(
+        "--remote-secret-file",
+        metavar="FILE",
+        default=None,
+        help="absolute path of the secret every instance sharing the remote server holds",
+    )
+    group.add_argument(
+        "--remote-timeout-ms",
+        metavar="MS",
+        default=None,
+        help="remote connect and command timeout (default 250)",
+    )
+    group.add_argument(
+        "--remote-namespace",
+        metavar="NAME",
+        default=None,
+        help="key prefix on the remote server (default skippy)",
+    )
+    group.add_argument(
+        "--remote-ttl",
+        metavar="SECONDS",
+        default=None,
+        help="expiry of remote keys, refreshed on every push (default none)",
+    )
+    group.add_argument(
         "--repair-generated",
         choices=("auto", "always", "never"),
         default=None,
@@ -88,6 +119,11 @@ _FLAG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("l3_minimum_free", ("l3", "minimum_free")),
     ("l3_compression", ("l3", "compression")),
     ("repair_generated", ("l1", "repair_generated")),
+    ("remote_url", ("remote", "url")),
+    ("remote_secret_file", ("remote", "secret_file")),
+    ("remote_timeout_ms", ("remote", "timeout_ms")),
+    ("remote_namespace", ("remote", "namespace")),
+    ("remote_ttl", ("remote", "ttl")),
 )
 
 

@@ -65,19 +65,26 @@ class Signer:
         """Tag of the cost book (``costs.py``) over its stored JSON body."""
         return self._tag(b"costs", body)
 
+    def value(self, label: bytes, key: bytes, *parts: bytes | memoryview) -> bytes:
+        """Tag of a value stored under ``key`` outside L3 (the remote tier), over its ``parts``:
+        ``label`` names the kind of value, so a tag of one kind never verifies as another."""
+        return self._tag(b"value", label, key, *parts)
+
     def verify(self, tag: bytes, expected: bytes) -> bool:
         """True when ``tag`` is the ``expected`` one, or when the store has no secret."""
         return self._secret is None or hmac.compare_digest(tag, expected)
 
 
-def load_secret(path: Path, *, shared_group: bool = False) -> bytes:
-    """The secret in ``path`` (``l3.secret_file``).
+def load_secret(
+    path: Path, *, shared_group: bool = False, setting: str = "l3.secret_file"
+) -> bytes:
+    """The secret in ``path`` (``l3.secret_file``, or the ``setting`` named).
 
     Raises:
         ConfigError: the file is missing, unreadable, too short or long, or readable by others
             (or by its group, unless ``l3.shared_group``), naming the setting.
     """
-    where = f"invalid setting l3.secret_file = {str(path)!r}"
+    where = f"invalid setting {setting} = {str(path)!r}"
     try:
         info = os.stat(path)
         # checked before opening: a FIFO would block the open, a directory fails it

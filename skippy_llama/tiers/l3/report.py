@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import LoadedSettings
+from ...config import LoadedSettings, redact_url
 from ..records import DiskStatus
 from .tier import DiskTier
 
@@ -19,6 +19,8 @@ def configured(loaded: LoadedSettings) -> dict[str, dict[str, Any]]:
         value: Any = dumped
         for part in name.split("."):
             value = value.get(part) if isinstance(value, dict) else None
+        if name == "remote.url" and isinstance(value, str):
+            value = redact_url(value)  # a password in the URL is not printed
         out[name] = {"value": value, "source": source}
     return out
 

@@ -1,0 +1,508 @@
+"""``RemoteTier``: pages and manifests on a shared Redis-protocol server (Redis, Valkey).
+
+The same content-addressed pages as L3 (16-byte chain keys from the cache identity), stored under
+the cache identity (``keys.py``) in authenticated frames (``codec.py``). Reads are one pipelined
+round trip to learn the match depth (:meth:`RemoteTier.match`) and pipelined batches to fetch
+(:meth:`RemoteTier.fetch`), every page verified before a byte leaves the tier; writes
+(:meth:`RemoteTier.push`) come from a background writer after L3 has the pages, and send only
+the pages the server lacks. Operator calls (status of the server, clear, prune) are
+``admin.py``'s.
+
+Fail-open for data: a refused connection, a timeout, a server that restarted empty or evicted a
+page, a value that does not verify are misses and counters, never exceptions. After
+``remote.breaker_failures`` consecutive server failures the breaker opens for a back-off period
+(``breaker.py``); while open a call costs a clock read. A server at ``maxmemory`` under
+``noeviction`` (``OOM`` replies) or a read-only replica suspends writes only, for the same
+back-off. A bug in this module's own code is logged as an error and counted
+(``internal_errors``), and fails open too.
+
+Fail-closed for configuration: no ``remote.secret_file``, or one that is not a private secret,
+is a :class:`~skippy_llama.errors.ConfigError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import redis
+
+from ...codecs import decode
+from ...config import RemoteSettings, redact_url
+from ...errors import ConfigError, StateFormatError, UnknownCodecError
+from ..l3.auth import Signer, load_secret
+from ..l3.schema import Manifest
+from ..records import PageBlob, PrefixRecord
+from . import codec
+from .admin import Admin
+from .breaker import Breaker
+from .client import connect, failure_reason, first_error, is_server_failure
+from .keys import Keys, secret_id
+
+log = logging.getLogger("skippy_llama")
+
+T = TypeVar("T")
+
+#: Pages per pipelined GET batch: SmolLM2's 128-token pages are about 3 MB, so a batch is about
+#: 24 MB in flight, and a failure mid-prefix wastes at most one batch.
+FETCH_BATCH_PAGES = 8
+#: Page bytes per pipelined SET batch of a push.
+PUSH_BATCH_BYTES = 32 << 20
+#: Failure reasons that are the server refusing writes while it still serves reads.
+_WRITE_REFUSALS = ("oom", "readonly")
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What one :meth:`RemoteTier.push` did."""
+
+    pages_sent: int = 0
+    pages_present: int = 0  # already on the server: not sent (their expiry refreshed)
+    bytes_sent: int = 0  # page frames sent
+    manifest_sent: bool = False
+    skipped: str | None = None  # why nothing was sent: breaker_open, writes_suspended, failed
+
+
+class RemoteTier:
+    """The remote page tier (see the module docstring).
+
+    Args:
+        settings: ``remote`` settings (``url`` set).
+        identity: the cache identity root (``CacheIdentity.root``) :meth:`holds` and
+            :meth:`fetch` look under when not given one; an instance serves one identity.
+        client: a ready client (tests); default: one for ``settings.url``.
+        clock: monotonic clock of the breaker (tests).
+
+    Raises:
+        ConfigError: ``remote.url`` or ``remote.secret_file`` is not set, or the secret file is
+            missing, unreadable, not private, too short or too long (naming the setting).
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        settings: RemoteSettings,
+        *,
+        identity: bytes | None = None,
+        client: redis.Redis | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if settings.url is None:
+            raise ConfigError("invalid setting remote.url: not set, so there is no remote tier")
+        if settings.secret_file is None:
+            raise ConfigError(
+                "invalid setting remote.secret_file: required with remote.url (every instance "
+                "sharing the server holds the same secret)"
+            )
+        secret = load_secret(settings.secret_file, setting="remote.secret_file")
+        self.settings = settings
+        self._signer = Signer(secret)
+        self.keys = Keys(settings.namespace, secret_id(self._signer))
+        self._identity = identity.hex() if identity is not None else None
+        self._client = client if client is not None else connect(settings)
+        self._breaker = Breaker(settings.breaker_failures, settings.breaker_backoff_s, clock=clock)
+        self._writes = Breaker(1, settings.breaker_backoff_s, clock=clock)
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._failures: Counter[str] = Counter()
+        self._bad: Counter[str] = Counter()
+        self._closed = False
+        self._admin = Admin(self._client, self.keys, self._signer, settings, self._bad_value)
+
+    @classmethod
+    def from_settings(cls, settings: RemoteSettings, **kwargs: Any) -> RemoteTier | None:
+        """The tier, or None when ``remote.url`` is not set (the default: off)."""
+        return cls(settings, **kwargs) if settings.enabled else None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _bad_value(self, reason: str) -> None:
+        with self._lock:
+            self._bad[reason] += 1
+
+    def _allowed(self, *, write: bool = False) -> str | None:
+        """Why no call may go to the server now, or None when one may."""
+        if self._closed:
+            return "closed"
+        if write and self._writes.is_open:
+            self._add("skipped_writes_suspended")
+            return "writes_suspended"
+        if not self._breaker.allow():
+            self._add("skipped_breaker_open")
+            return "breaker_open"
+        return None
+
+    def _failed(self, exc: BaseException, where: str) -> None:
+        """Count a failed call (the caller fails open)."""
+        if not is_server_failure(exc):
+            self._add("internal_errors")
+            log.error("remote tier internal error during %s (a bug)", where, exc_info=exc)
+            self._breaker.success()  # not the server's fault: release a half-open probe
+            return
+        reason = failure_reason(exc)
+        with self._lock:
+            self._failures[reason] += 1
+        if reason in _WRITE_REFUSALS:
+            self._breaker.success()  # the server answered: reads go on
+            if self._writes.failure(reason):
+                log.warning(
+                    "remote tier: the server refuses writes (%s: %s); pushes pause for %.0f s",
+                    reason,
+                    exc,
+                    self.settings.breaker_backoff_s,
+                )
+            return
+        if self._breaker.failure(reason):
+            state = self._breaker.status()
+            log.warning(
+                "remote tier off after %d failures (%s during %s: %s); trying again at %s",
+                state.consecutive_failures,
+                reason,
+                where,
+                exc,
+                time.strftime("%H:%M:%S", time.localtime(state.open_until or 0)),
+            )
+
+    def _run(self, where: str, call: Callable[[], T], *, write: bool = False) -> T | None:
+        """``call()`` under the breaker; None when refused or failed (counted)."""
+        if self._allowed(write=write) is not None:
+            return None
+        try:
+            result = call()
+        except Exception as exc:
+            self._failed(exc, where)
+            return None
+        self._breaker.success()
+        return result
+
+    def _pipeline(
+        self, build: Callable[[Any], object], *, raise_on_error: bool = True
+    ) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        build(pipe)
+        results: list[Any] = pipe.execute(raise_on_error=raise_on_error)
+        return results
+
+    def _each(self, command: str, names: Sequence[bytes]) -> list[Any]:
+        """One pipelined round trip of ``command name`` for every name (EXISTS, GET, STRLEN)."""
+        return self._pipeline(lambda pipe: [getattr(pipe, command)(name) for name in names])
+
+    def _ident(self, root: bytes | None) -> str:
+        if root is not None:
+            return root.hex()
+        if self._identity is None:
+            raise ValueError("RemoteTier: no cache identity (pass root= or identity=)")
+        return self._identity
+
+    # ------------------------------------------------------------------ reads
+
+    def holds(self, key: bytes, *, root: bytes | None = None) -> bool:
+        """True when the server holds page ``key`` (EXISTS; not verified); False on failure."""
+        name = self.keys.page(self._ident(root), key)
+        found = self._run("holds", lambda: self._client.exists(name))
+        return bool(found)
+
+    def match(self, root: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading pages of ``keys`` (a prompt's chain keys, page 0 first, under the
+        cache identity ``root``) the server holds: one pipelined round trip of EXISTS; 0 on a
+        failure or while the breaker is open. Holding is not verifying: :meth:`fetch` may still
+        serve fewer."""
+        if not keys:
+            return 0
+        self._add("requests")
+        ident = root.hex()
+        names = [self.keys.page(ident, key) for key in keys]
+
+        found = self._run("match", lambda: self._each("exists", names))
+        depth = 0
+        for hit in found or ():
+            if not hit:
+                break
+            depth += 1
+        self._add("hits" if depth else "misses")
+        self._add("pages_matched", depth)
+        return depth
+
+    def fetch(self, keys: Sequence[bytes], *, root: bytes | None = None) -> list[bytes]:
+        """The decoded pages of the longest prefix of ``keys`` the server holds and that
+        verifies (tag, digest, the key it is stored under), fetched in pipelined batches.
+
+        Stops at the first page that is missing or bad (counted by reason; a bad value is
+        deleted so the next push stores it again). Never raises for server faults or bad data.
+        """
+        if not keys:
+            return []
+        ident = self._ident(root)
+        self._add("fetches")
+        out: list[bytes] = []
+        for start in range(0, len(keys), FETCH_BATCH_PAGES):
+            batch = keys[start : start + FETCH_BATCH_PAGES]
+            names = [self.keys.page(ident, key) for key in batch]
+            values = self._run("fetch", functools.partial(self._each, "get", names))
+            if values is None:
+                break
+            for name, value in zip(names, values, strict=True):
+                page = self._verified_page(name, value)
+                if page is None:
+                    break
+                out.append(page)
+                self._add("bytes_in", len(value))
+            if len(out) < start + len(batch):
+                break
+        self._add("pages_fetched", len(out))
+        return out
+
+    def _verified_page(self, name: bytes, value: Any) -> bytes | None:
+        """The page in ``value`` read from ``name``, or None (counted; bad values deleted)."""
+        if value is None:
+            self._bad_value("missing")  # evicted, expired or deleted since match
+            return None
+        if not isinstance(value, bytes):
+            self._bad_value("foreign")
+            self._drop(name)
+            return None
+        try:
+            frame = codec.unpack(self._signer, name, codec.KIND_PAGE, value)
+            page = decode(frame.body, frame.n_tokens)
+        except codec.FrameError as exc:
+            self._bad_value(exc.reason)
+            self._drop(name)
+            return None
+        except UnknownCodecError:
+            self._bad_value("unknown_codec")  # authentic, from another version: kept
+            return None
+        except StateFormatError:
+            self._bad_value("undecodable")
+            self._drop(name)
+            return None
+        return bytes(page)
+
+    def _drop(self, name: bytes) -> None:
+        """Delete a value that can never be served under ``name``, so a push stores it again."""
+        if self._run("drop", lambda: self._client.delete(name)) is not None:
+            self._add("bad_values_deleted")
+
+    # ------------------------------------------------------------------ writes
+
+    def push(
+        self,
+        record: PrefixRecord,
+        *,
+        stored: Mapping[bytes, bytes] | None = None,
+        load: Callable[[bytes], bytes | None] | None = None,
+    ) -> PushResult:
+        """Send ``record``'s pages the server lacks, then its manifest (call from a background
+        writer, after L3 stored the pages; never on the request path).
+
+        One pipelined round trip asks the length of every page and of the manifest (and
+        refreshes their expiry when ``remote.ttl`` is set); only missing pages are sent, so a
+        repeat push of a stored prefix sends no page bytes. A page's bytes come from ``stored``
+        (page key -> the bytes L3 stored, what the L3 recorder encoded), else from the record's
+        payload, else from ``load(key)``; a page none of them has ends what is pushed there.
+        Never raises for server faults.
+        """
+        ident = record.cache_identity
+        pages = record.pages
+        names = [self.keys.page(ident, page.key) for page in pages]
+        mname = self.keys.manifest(ident, record.manifest_id)
+        ttl = self.settings.ttl
+        self._add("pushes")
+
+        def probe(pipe: Any) -> None:
+            for name in [*names, mname]:
+                pipe.strlen(name)
+                if ttl is not None:
+                    pipe.expire(name, ttl)
+
+        why = self._allowed(write=True)
+        if why is not None:
+            return PushResult(skipped=why)
+        try:
+            lengths = self._pipeline(probe)
+        except Exception as exc:
+            self._failed(exc, "push")
+            return PushResult(skipped="failed")
+        self._breaker.success()
+        if ttl is not None:
+            lengths = lengths[::2]
+        sizes: list[int] = []
+        sends: list[tuple[bytes, bytes]] = []
+        present = 0
+        for page, name, length in zip(pages, names, lengths, strict=False):
+            if int(length) > codec.HEADER_BYTES:
+                present += 1
+                sizes.append(int(length) - codec.HEADER_BYTES)
+                continue
+            body = self._page_body(page, stored, load)
+            if body is None:
+                self._add("pages_without_bytes")
+                break
+            sends.append(
+                (name, codec.pack(self._signer, name, codec.KIND_PAGE, page.n_tokens, body))
+            )
+            sizes.append(len(body))
+        sent, sent_bytes, ok = self._send(sends)
+        self._add("pages_sent", sent)
+        self._add("pages_present", present)
+        self._add("bytes_out", sent_bytes)
+        if not ok or not sizes:
+            return PushResult(sent, present, sent_bytes, False, None if ok else "failed")
+        n_pages = len(sizes)
+        man = Manifest.of_record(record, [*sizes, *[1] * (len(pages) - n_pages)], time.time())
+        if n_pages < len(pages):
+            man = man.cut(n_pages)
+            mname = self.keys.manifest(ident, man.id)
+        elif int(lengths[-1]) > codec.HEADER_BYTES:
+            self._add("manifests_present")
+            return PushResult(sent, present, sent_bytes, False)
+        value = codec.pack(self._signer, mname, codec.KIND_MANIFEST, man.n_tokens, man.pack())
+        done, _, ok = self._send([(mname, value)])
+        if done:
+            self._add("manifests_sent")
+            self._add("manifest_bytes_out", len(value))
+        return PushResult(sent, present, sent_bytes, bool(done), None if ok else "failed")
+
+    @staticmethod
+    def _page_body(
+        page: PageBlob,
+        stored: Mapping[bytes, bytes] | None,
+        load: Callable[[bytes], bytes | None] | None,
+    ) -> bytes | None:
+        if stored is not None and page.key in stored:
+            return bytes(stored[page.key])
+        if page.payload is not None:
+            return page.data  # the page itself (its own magic): fetch decodes it as stored
+        if load is not None:
+            data = load(page.key)
+            return None if data is None else bytes(data)
+        return None
+
+    def _send(self, items: list[tuple[bytes, bytes]]) -> tuple[int, int, bool]:
+        """SET ``items`` in pipelined batches: (values stored, their bytes, no failure)."""
+        ttl = self.settings.ttl
+        done = done_bytes = 0
+        for batch in _batches(items, PUSH_BATCH_BYTES):
+            build = functools.partial(_set_all, batch, ttl)
+            results = self._run(
+                "push", functools.partial(self._pipeline, build, raise_on_error=False), write=True
+            )
+            if results is None:
+                return done, done_bytes, False
+            for (_, value), result in zip(batch, results, strict=True):
+                if isinstance(result, BaseException):
+                    break
+                done += 1
+                done_bytes += len(value)
+            error = first_error(results)
+            if error is not None:
+                self._failed(error, "push")
+                return done, done_bytes, False
+        return done, done_bytes, True
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Settings, breaker state and counters of this process (no server call: cheap enough
+        for ``/metrics``)."""
+        breaker = self._breaker.status()
+        writes = self._writes.status()
+        with self._lock:
+            counts = dict(self._counts)
+            failures = dict(self._failures)
+            bad = dict(self._bad)
+        activity = {
+            name: counts.get(name, 0)
+            for name in (
+                "requests", "hits", "misses", "pages_matched", "fetches", "pages_fetched",
+                "bytes_in", "pushes", "pages_sent", "pages_present", "bytes_out",
+                "manifests_sent", "manifests_present", "manifest_bytes_out",
+                "pages_without_bytes", "skipped_breaker_open", "skipped_writes_suspended",
+                "bad_values_deleted", "internal_errors",
+            )
+        }  # fmt: skip
+        assert self.settings.url is not None
+        return {
+            "state": "closed" if self._closed else ("off" if breaker.state == "open" else "on"),
+            "url": redact_url(self.settings.url),
+            "namespace": self.settings.namespace,
+            "secret_id": self.keys.secret,
+            "ttl": self.settings.ttl,
+            "timeout_ms": self.settings.timeout_ms,
+            "breaker": asdict(breaker),
+            "writes": asdict(writes),
+            "activity": activity,
+            "failures": failures,
+            "bad_values": bad,
+        }
+
+    def server_status(self) -> dict[str, Any]:
+        """What the server says and what this namespace holds there (``admin.py``).
+
+        Raises:
+            TierError: the server cannot be reached or answers with an error.
+        """
+        return self._admin.server_status()
+
+    def clear(self, identity_hex: str | None = None) -> dict[str, Any]:
+        """Delete every key of one cache identity in this namespace (every identity: None),
+        under any secret; other identities' keys are untouched (``admin.py``).
+
+        Raises:
+            TierError: the server cannot be reached or answers with an error.
+        """
+        return self._admin.clear(identity_hex)
+
+    def prune(self, identity_hex: str | None = None) -> dict[str, Any]:
+        """Remove what can never be served again (``admin.py``).
+
+        Raises:
+            TierError: the server cannot be reached or answers with an error.
+        """
+        return self._admin.prune(identity_hex)
+
+    def close(self) -> None:
+        """Close the connections; later calls are misses."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.close()
+        except Exception as exc:  # closing must not raise at exit
+            log.debug("remote tier: closing the client failed: %s", exc)
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _set_all(items: list[tuple[bytes, bytes]], ttl: int | None, pipe: Any) -> None:
+    for name, value in items:
+        pipe.set(name, value, ex=ttl)
+
+
+def _batches(
+    items: list[tuple[bytes, bytes]], max_bytes: int
+) -> Iterator[list[tuple[bytes, bytes]]]:
+    batch: list[tuple[bytes, bytes]] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += len(item[1])
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
