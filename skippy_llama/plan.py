@@ -17,7 +17,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .costs import CostModel
-from .tiers.base import PageTier, ResidentTier, Tier, Tokens, common_prefix, walk
+from .identity import page_keys
+from .tiers.base import (
+    PagePath,
+    PageTier,
+    PathStep,
+    RemotePageTier,
+    ResidentTier,
+    Tier,
+    Tokens,
+    common_prefix,
+    walk,
+)
 
 
 @dataclass(frozen=True)
@@ -208,6 +219,25 @@ class Planner:
                 )
         return dataclasses.replace(best, skipped=tuple(skipped))
 
+    def _remote_path(
+        self, prompt: Prompt, limit: int, depth: int, tiers: Sequence[PageTier]
+    ) -> PagePath | None:
+        """The aligned pages a remote tier holds, if deeper than ``depth`` tokens (one round
+        trip per remote tier, and none when no whole page could beat ``depth``)."""
+        p = self.page_tokens
+        whole = limit - limit % p
+        for tier in tiers:
+            if not isinstance(tier, RemotePageTier) or prompt.aligned(whole) <= depth:
+                continue
+            keys = page_keys(self.root, prompt.tokens[:whole], p)
+            held = tier.match_depth(keys)
+            if prompt.aligned(held * p) > depth:
+                parents = [self.root, *keys[: held - 1]]
+                pairs = zip(keys[:held], parents, strict=True)
+                steps = tuple(PathStep(key, parent, p, p) for key, parent in pairs)
+                return PagePath(steps, keys[held - 1])
+        return None
+
     def _pages(
         self,
         prompt: Prompt,
@@ -221,14 +251,18 @@ class Planner:
         floor = best.n_tokens
         if not tiers or limit - floor < 1:
             return best
-        path = walk(tiers, self.root, prompt.tokens, limit, self.page_tokens)
+        local = [t for t in tiers if not isinstance(t, RemotePageTier)]
+        path = walk(local, self.root, prompt.tokens, limit, self.page_tokens)
+        path = self._remote_path(prompt, limit, max(path.n_tokens, floor), tiers) or path
         usable = prompt.aligned(path.n_tokens)
         if usable <= floor:
             if not path.steps:
                 best = dataclasses.replace(best, searched=tuple(t.name for t in tiers))
             return best
         # each page from the cheapest tier that holds it
-        sources = [next((t for t in tiers if t.holds(s.key)), tiers[-1]) for s in path.steps]
+        remote = [t for t in tiers if isinstance(t, RemotePageTier)]
+        far = remote[0] if remote else tiers[-1]
+        sources = [next((t for t in local if t.holds(s.key)), far) for s in path.steps]
         deepest = max(sources, key=tiers.index).name
         append = prompt.can_append and floor > 0
         moved = usable - floor if append else usable

@@ -130,6 +130,16 @@ class PageTier(Tier, Protocol):
         ...
 
 
+@runtime_checkable
+class RemotePageTier(PageTier, Protocol):
+    """A page tier behind a network round trip (the remote tier): the planner never walks it
+    page by page; it asks once, for all of a prompt's aligned page keys, how deep it holds."""
+
+    def match_depth(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` (chain keys of aligned pages, page 0 first) are held."""
+        ...
+
+
 @dataclass(frozen=True)
 class PathStep:
     """One stored page on a prompt's path through the page tree, of which ``used`` tokens match."""

@@ -65,7 +65,7 @@ def register(factory: TierFactory) -> None:
 
 def wants_pages(settings: Settings) -> bool:
     """Whether a page tier may be built: the runtime then reads the KV layout at load."""
-    return settings.l3.mode != "off" or bool(EXTRA_FACTORIES)
+    return settings.l3.mode != "off" or settings.remote.enabled or bool(EXTRA_FACTORIES)
 
 
 def build_tiers(context: TierContext) -> list[Tier]:
@@ -82,11 +82,43 @@ def build_tiers(context: TierContext) -> list[Tier]:
             disk.add_removal_listener(ram.invalidate)
             tiers.append(ram)
         tiers.append(disk)
+    remote = _remote(context, disk)
+    if remote is not None:
+        tiers.append(remote)
     for factory in EXTRA_FACTORIES:
         tier = factory(context, tuple(tiers))
         if tier is not None:
             tiers.append(tier)
     return tiers
+
+
+def _remote(context: TierContext, disk: DiskTier | None) -> Tier | None:
+    """The shared remote tier when ``remote.url`` is set and the layout is pageable.
+
+    Its configuration fails closed (a missing or unreadable secret raises
+    :class:`~skippy_llama.errors.ConfigError` naming the setting); its server fails open.
+    Pages are pushed by L3's writer after L3 stored them, so without L3 the tier only reads.
+    """
+    settings = context.settings.remote
+    if not settings.enabled or not context.pageable:
+        return None
+    from .remote.pages import RemotePages  # the optional `remote` extra (redis)
+    from .remote.tier import RemoteTier
+
+    tier = RemoteTier(settings, identity=context.identity.root)
+    load = None
+    if disk is not None:
+
+        def load(key: bytes) -> bytes | None:
+            pages = disk.read([key])
+            return bytes(pages[0]) if pages else None
+
+    pages = RemotePages(tier, context.identity.root, load)
+    if disk is not None:
+        disk.add_write_listener(pages.push)
+    else:
+        log.warning("skippy-llama: the remote tier reads only: pages are pushed by L3's writer")
+    return pages
 
 
 def _resident(context: TierContext) -> ResidentIndex | None:

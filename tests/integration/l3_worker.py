@@ -61,6 +61,8 @@ def main(spec: dict[str, Any]) -> None:
     if disk is not None:
         out["flushed"] = disk.flush(60)
         out["status"] = disk.status().to_json()
+    out["counters"] = llm.cache_status()["counters"]
+    out["tiers"] = llm.prefix_cache.status()  # every tier's status, through the protocol
     llm.close()
     print(json.dumps(out))
 

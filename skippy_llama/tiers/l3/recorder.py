@@ -11,7 +11,9 @@ pages are pinned, then metadata, child index and manifest land in one transactio
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Mapping
 
 from ...admission import AdmissionPolicy
 from ...codecs import encode
@@ -22,6 +24,8 @@ from .pins import Pins
 from .policy_api import LOW_WATERMARK, PageStats, Policy
 from .schema import DATA, MAN, META
 from .tree import Tree
+
+log = logging.getLogger("skippy_llama")
 
 
 class Recorder:
@@ -42,6 +46,8 @@ class Recorder:
         self.evictor = evictor
         self.policy = policy
         self.admission = admission
+        #: called with each record stored and its new pages' stored bytes (``add_listener``)
+        self.listeners: list[Callable[[PrefixRecord, Mapping[bytes, bytes]], None]] = []
 
     def _drop(self, *reasons: str) -> None:
         self.parts.counters.add("dropped_writes")
@@ -156,6 +162,12 @@ class Recorder:
             counters.add("manifests_written")
             if self.admission is not None:
                 self.admission.observe_recorded()
+        for listener in self.listeners:
+            try:
+                listener(rec, stored)
+            except Exception:  # a listener (the remote tier) fails open; the page is stored
+                counters.add("internal_errors")
+                log.exception("skippy-llama: an L3 write listener failed")
         if parts.rw.volume() > budget:
             result = self.evictor.evict_to(int(budget * LOW_WATERMARK))
             counters.add("evictions", result.manifests_removed)

@@ -17,7 +17,7 @@ import atexit
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ...admission import AdmissionPolicy
@@ -120,6 +120,7 @@ class DiskTier:
         )
         self._reconciler = Reconciler(parts, self._tree, self._pins)
         recorder = Recorder(parts, self._tree, self._pins, self._evictor, self.policy, admission)
+        self._recorder = recorder
         self._writer = Writer(parts, recorder.write, self._idle, max_queued_bytes=max_queued_bytes)
         self._closed = False
         self._atexit: Callable[[], None] | None = None
@@ -206,6 +207,14 @@ class DiskTier:
         return self._parts.health.budget_bytes() if self._parts.store else 0
 
     # ------------------------------------------------------------------ pins and listeners
+
+    def add_write_listener(
+        self, callback: Callable[[PrefixRecord, Mapping[bytes, bytes]], None]
+    ) -> None:
+        """Call ``callback(record, stored)`` from the writer thread after each record is
+        stored (``stored``: its new pages' bytes as L3 keeps them). A failing callback is
+        counted (``internal_errors``), never fails the write."""
+        self._recorder.listeners.append(callback)
 
     def add_removal_listener(self, callback: Callable[[bytes], None]) -> None:
         """Call ``callback(page_key)`` when this process removes, evicts or quarantines a page."""

@@ -131,6 +131,11 @@ class RemoteTier:
         with self._lock:
             self._bad[reason] += 1
 
+    @property
+    def available(self) -> bool:
+        """Whether reads may go to the server now (open and the breaker closed); no I/O."""
+        return not self._closed and not self._breaker.is_open
+
     def _allowed(self, *, write: bool = False) -> str | None:
         """Why no call may go to the server now, or None when one may."""
         if self._closed:

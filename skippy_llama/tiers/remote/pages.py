@@ -1,0 +1,95 @@
+"""The remote tier under the page-tier protocol (``tiers/base.py``), for one cache identity.
+
+Reads: the planner asks :meth:`RemotePages.match_depth` once per prompt that the local tiers do
+not cover (one pipelined round trip for all of the prompt's aligned page keys), never a round
+trip per page; :meth:`RemotePages.fetch` brings the chosen pages in pipelined batches, each
+verified. Writes: L3's background writer calls :meth:`RemotePages.push` after L3 stored a record
+(``DiskTier.add_write_listener``), so nothing is sent on the request path; the runtime's records
+are never offered here directly. Pages a remote hit brought are stored in L3 by the runtime's
+usual record of the request (what L3 lacks is captured and written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..records import PrefixRecord
+from .tier import RemoteTier
+
+
+@dataclass(frozen=True)
+class RemoteStatus:
+    """The remote tier's state and this process's counters (no server call)."""
+
+    body: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.body)
+
+
+class RemotePages:
+    """:class:`RemoteTier` as a page tier of the cache identity ``root``.
+
+    Args:
+        remote: the connected tier.
+        root: the cache identity root its keys live under.
+        load: the verified bytes of a page L3 holds (for records that reuse pages the server
+            lacks), or None.
+    """
+
+    name = "remote"
+    takes_records = False
+
+    def __init__(
+        self,
+        remote: RemoteTier,
+        root: bytes,
+        load: Callable[[bytes], bytes | None] | None = None,
+    ) -> None:
+        self.remote = remote
+        self.root = root
+        self._load = load
+
+    @property
+    def serving(self) -> bool:
+        return self.remote.available
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        return False  # found by match_depth, once per prompt: a round trip per page would cost
+
+    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+        return []  # the server holds aligned pages by key; branch points are L3's
+
+    def match_depth(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` (a prompt's aligned page keys) the server holds."""
+        return self.remote.match(self.root, keys)
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
+        return list(self.remote.fetch(keys, root=self.root))
+
+    def offer(self, record: PrefixRecord) -> bool:
+        record.drop()  # never offered (takes_records is False)
+        return False
+
+    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+        """Nothing is promoted into the remote tier: it is the deepest."""
+
+    def note_miss(self) -> None:
+        """Misses are counted by :meth:`RemoteTier.match`."""
+
+    def push(self, record: PrefixRecord, stored: Mapping[bytes, bytes]) -> None:
+        """Send a record L3 just stored (from L3's writer thread; see the module docstring)."""
+        if record.cache_identity == self.root.hex():
+            self.remote.push(record, stored=stored, load=self._load)
+
+    def status(self) -> RemoteStatus:
+        return RemoteStatus(self.remote.status())
+
+    def clear(self) -> dict[str, Any]:
+        """Delete this cache identity's keys on the server (other identities' stay)."""
+        return self.remote.clear(self.root.hex())
+
+    def close(self) -> None:
+        self.remote.close()
