@@ -8,6 +8,7 @@ they cannot drift from what ``/v1/kv-cache/status`` reports.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -85,6 +86,34 @@ class _TierCollector(Collector):
         yield _gauge(
             "skippy_l3_quarantined", "Quarantined L3 entries", usage.quarantined if usage else 0
         )
+        remote = snap.others.get("remote")
+        if remote is not None:
+            yield from _remote_metrics(remote)
+
+
+def _remote_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """The remote tier: its breaker, this process's activity and failures by reason."""
+    breaker = GaugeMetricFamily(
+        "skippy_remote_breaker", "1 for the remote tier breaker's state", labels=["state"]
+    )
+    current = status.get("breaker", {}).get("state", "closed")
+    for name in ("closed", "open", "half_open"):
+        breaker.add_metric([name], int(name == current))
+    yield breaker
+    activity = CounterMetricFamily(
+        "skippy_remote_activity",
+        "Remote tier activity (requests, hits, misses, bytes in and out, pages sent ...)",
+        labels=["event"],
+    )
+    for name, n in sorted(status.get("activity", {}).items()):
+        activity.add_metric([name], n)
+    yield activity
+    failures = CounterMetricFamily(
+        "skippy_remote_failures", "Remote server failures, by reason", labels=["reason"]
+    )
+    for reason, n in sorted(status.get("failures", {}).items()):
+        failures.add_metric([reason], n)
+    yield failures
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -214,6 +214,7 @@ def _status(state: ServingState) -> dict[str, Any]:
     )
     report["l1"] = snap.l1.to_json()
     report["l2"] = snap.l2.to_json() if snap.l2 is not None else {"enabled": False}
+    report["tiers"] = snap.others  # the remote tier and any other, through the tier protocol
     report["process"] = {**snap.counters_json(), "requests": state.history.totals()}
     report["server"] = state.summary()
     return report

@@ -56,6 +56,8 @@ class TierSnapshot:
     tokens_prepared: int = 0
     #: conversations checkpointed while the server was idle (not by the request leaving them)
     parked_ahead: int = 0
+    #: the status (JSON) of every other tier, by name (the remote tier, registered tiers)
+    others: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def counters_json(self) -> dict[str, Any]:
         return {
@@ -120,6 +122,11 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
         turns_prepared=counters.turns_prepared,
         tokens_prepared=counters.tokens_prepared,
         parked_ahead=counters.parked_ahead,
+        others={
+            name: status.to_json()
+            for name, status in statuses.items()
+            if name not in ("l1", "l2", "l3") and status is not None
+        },
     )
 
 

@@ -137,3 +137,29 @@ def test_a_wrong_secret_matches_nothing(
     b = node(smollm2_path, tmp_path / "b", redis_clean.url, other)
     assert b["outputs"] == [reference] and b["events"][0]["tier"] == "cold"
     assert b["tiers"]["remote"]["activity"]["pages_fetched"] == 0
+
+
+def test_serve_reports_the_remote_tier_in_its_status_and_metrics(
+    redis_clean: RedisServer, tmp_path: Path, smollm2_path: Path, secret: Path
+) -> None:
+    import urllib.request
+
+    from serverproc import ServerProcess
+
+    server = ServerProcess.skippy(
+        smollm2_path,
+        tmp_path / "serve.log",
+        "--l3-mode", "fixed", "--l3-budget", "1GiB", "--l3-dir", str(tmp_path / "l3"),
+        "--remote-url", redis_clean.url, "--remote-secret-file", str(secret),
+    ).wait_ready()  # fmt: skip
+    try:
+        with urllib.request.urlopen(server.base + "/v1/kv-cache/status", timeout=30) as reply:
+            status = json.loads(reply.read())
+        with urllib.request.urlopen(server.base + "/metrics", timeout=30) as reply:
+            metrics = reply.read().decode()
+    finally:
+        server.stop()
+    remote = status["tiers"]["remote"]
+    assert remote["state"] == "on" and remote["breaker"]["state"] == "closed"
+    assert 'skippy_remote_breaker{state="closed"} 1.0' in metrics
+    assert "skippy_remote_activity_total" in metrics
