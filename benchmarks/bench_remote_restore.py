@@ -1,17 +1,19 @@
-"""The parts of node B's time to first token from the remote tier, on SmolLM2 and a loopback
-``redis-server``, at a 2k-token document (the issue-31 target: ≤ 0.3× cold, within 1.5× of a
-local L3 restore).
+"""Node B's time to first token from the remote tier, on the real request path (SmolLM2, a
+loopback ``redis-server``, a 2k-token document), side by side with a cold prefill and a local L3
+restore of the same prompt, and the remote tier's cost where it never hits.
 
-Until the planner consults the remote tier, a remote restore is measured in its parts:
+Per repeat, in one process:
 
 - ``cold_s``: plain ``llama_cpp.Llama``'s time to the first token of the prompt;
-- ``l3_restore_s``: a fresh ``SkippyLlama`` restoring the document from its local L3;
-- ``remote_fetch_s``: node B's ``match`` + ``fetch`` (every page verified) of the document's
-  pages that node A pushed.
+- node A (L3 directory A, the remote tier on) answers the prompt: L3 records it, L3's writer
+  pushes the pages; ``repeat_push_bytes`` is what a second node's push of the same prefix sent;
+- ``l3_s``: a fresh ``SkippyLlama`` on directory A restores the prompt from its L3;
+- ``remote_s``: a fresh ``SkippyLlama`` on an empty directory restores it from the remote tier.
 
-A remote restore costs about ``remote_fetch_s`` plus what ``l3_restore_s`` spends outside its
-L3 read (the pages go to llama.cpp the same way), which ``remote_vs_l3_upper`` bounds as
-``(remote_fetch_s + l3_restore_s) / l3_restore_s``.
+Then, where nothing is reused (distinct one-shot prompts, interleaved): plain ``Llama`` against
+``SkippyLlama`` with the remote tier on (a server that never hits) and against the remote tier
+with the server down (the breaker open): ``plan_ms_*`` is the planner's time per request.
+Outputs are compared with the cold ones.
 
 Usage::
 
@@ -23,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,116 +37,155 @@ import llama_cpp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_remote import ROOT, start_server
 
-from skippy_llama.config import L3Settings, RemoteSettings, Settings
-from skippy_llama.handoff.l3 import prefix_record, read_prefix
-from skippy_llama.identity import page_keys
+from skippy_llama.config import Settings
 from skippy_llama.models import default_model_path
 from skippy_llama.runtime.llama import SkippyLlama
-from skippy_llama.tiers.disk import DiskTier
-from skippy_llama.tiers.remote import RemoteTier
 
-N_CTX = 4096
-TEXT = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
-    "as his father had done before him. There were one hundred and twelve of them, worn smooth "
-    "in the middle by generations of boots. At the top he trimmed the wick, polished the great "
-    "lens until it shone, and wound the clockwork that turned the light. "
+SENTENCE = (
+    "The harbour master logged every ship that passed the breakwater, its flag, its cargo and "
+    "the hour of the tide. "
 )
+QUESTION = "\nQuestion: what did the harbour master log?\nAnswer:"
+KWARGS: dict[str, Any] = {"n_ctx": 4096, "verbose": False, "seed": 0}
 
 
-def l3(directory: Path) -> L3Settings:
-    return L3Settings(mode="fixed", budget="2GiB", directory=directory, minimum_free="1GiB")
+def document(llm: llama_cpp.Llama, tokens: int) -> str:
+    text = SENTENCE
+    while len(llm.tokenize(text.encode())) < tokens:
+        text += SENTENCE
+    return text
 
 
-def ttft(llm: llama_cpp.Llama, prompt: str) -> float:
-    t0 = time.perf_counter()
-    llm.create_completion(prompt, max_tokens=1, temperature=0.0)
-    return time.perf_counter() - t0
+def ttft(llm: llama_cpp.Llama, prompt: str) -> tuple[float, str]:
+    started = time.perf_counter()
+    done = llm.create_completion(prompt, max_tokens=1, temperature=0.0)
+    return time.perf_counter() - started, str(done["choices"][0]["text"])
+
+
+def settings(store: Path, url: str, secret: Path) -> Settings:
+    l3 = {"mode": "fixed", "budget": "4GiB", "directory": str(store), "minimum_free": "1GiB"}
+    return Settings(l3=l3, remote={"url": url, "secret_file": str(secret)})
+
+
+def restore(model: str, cfg: Settings, prompt: str) -> tuple[float, str, dict[str, Any]]:
+    llm = SkippyLlama(model, cache_settings=cfg, **KWARGS)
+    try:
+        seconds, text = ttft(llm, prompt)
+        event = llm.last_cache_event
+        assert event is not None
+        remote = llm.prefix_cache.status().get("remote", {})
+        disk = llm.prefix_cache.disk
+        assert disk is not None and disk.flush(120)  # B's record, and its push
+        remote = llm.prefix_cache.status().get("remote", remote)
+    finally:
+        llm.close()
+    return seconds, text, {"tier": event.tier, "cached": event.cached_tokens, "remote": remote}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--one-shots", type=int, default=6)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/remote_restore.json")
     args = parser.parse_args()
     model = str(default_model_path())
-    scratch = Path(tempfile.mkdtemp(prefix="bench-remote-restore-"))
-    proc, url = start_server(scratch)
-    secret = scratch / "remote.key"
-    secret.write_bytes(os.urandom(32))
-    secret.chmod(0o600)
+    plain = llama_cpp.Llama(model, **KWARGS)
+    doc = document(plain, args.tokens)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        server, url = start_server(work)
+        secret = work / "remote.key"
+        secret.write_bytes(os.urandom(32))
+        secret.chmod(0o600)
+        try:
+            for repeat in range(args.repeats):
+                prompt = f"{doc}\n(copy {repeat}){QUESTION}"  # a new prefix each repeat
+                plain.reset()
+                cold_s, want = ttft(plain, prompt)
+                node_a = work / f"a{repeat}"
+                _, first, a = restore(model, settings(node_a, url, secret), prompt)
+                l3_s, from_l3, l3 = restore(model, settings(node_a, url, secret), prompt)
+                node_b = work / f"b{repeat}"
+                remote_s, from_remote, b = restore(model, settings(node_b, url, secret), prompt)
+                activity = b["remote"].get("activity", {})
+                rows.append(
+                    {
+                        "prompt_tokens": len(plain.tokenize(prompt.encode())),
+                        "cold_s": round(cold_s, 4),
+                        "l3_s": round(l3_s, 4),
+                        "remote_s": round(remote_s, 4),
+                        "remote_vs_cold": round(remote_s / cold_s, 3),
+                        "remote_vs_l3": round(remote_s / l3_s, 3),
+                        "tiers": [a["tier"], l3["tier"], b["tier"]],
+                        "remote_cached_tokens": b["cached"],
+                        "pushed_bytes_node_a": a["remote"].get("activity", {}).get("bytes_out"),
+                        "repeat_push_bytes": activity.get("bytes_out"),
+                        "repeat_push_pages_present": activity.get("pages_present"),
+                        "outputs_equal": want == first == from_l3 == from_remote,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+            never = never_hits(model, plain, url, secret, work, args.one_shots, server)
+        finally:
+            if server.poll() is None:
+                server.kill()
+            plain.close()
+    summary = {
+        "remote_vs_cold_median": statistics.median(r["remote_vs_cold"] for r in rows),
+        "remote_vs_l3_median": statistics.median(r["remote_vs_l3"] for r in rows),
+        "outputs_equal": all(r["outputs_equal"] for r in rows),
+        **never,
+    }
+    result = {"machine": os.uname().machine, "cpus": os.cpu_count(), "rows": rows}
+    result["summary"] = summary
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+def never_hits(
+    model: str,
+    plain: llama_cpp.Llama,
+    url: str,
+    secret: Path,
+    work: Path,
+    n: int,
+    server: Any,
+) -> dict[str, Any]:
+    """Distinct one-shot prompts: plain ``Llama`` against the remote tier that never hits,
+    then with the server down (breaker open), interleaved prompt by prompt."""
+    cfg = Settings(remote={"url": url, "secret_file": str(secret)})
+    skippy = SkippyLlama(model, cache_settings=cfg, **KWARGS)
+    totals = {"remote_on": 0.0, "server_down": 0.0}
+    plain_s = {"remote_on": 0.0, "server_down": 0.0}
+    plans: dict[str, list[float]] = {"remote_on": [], "server_down": []}
+    equal = True
     try:
-        cold = llama_cpp.Llama(model, n_ctx=N_CTX, verbose=False)
-        words = len(cold.tokenize(TEXT.encode()))
-        prompt = TEXT * (2048 // words) + "The keeper wrote that"
-        n_tokens = len(cold.tokenize(prompt.encode()))
-        cold_s = []
-        for _ in range(args.repeats):
-            cold.reset()
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(cold.ctx), True)
-            cold_s.append(ttft(cold, prompt))
-        cold.close()
-
-        store_a = scratch / "a"
-        node = SkippyLlama(
-            model, n_ctx=N_CTX, verbose=False, cache_settings=Settings(l3=l3(store_a))
-        )
-        ttft(node, prompt)
-        root = node.prefix_cache.root
-        page_tokens = node.prefix_cache.page_tokens
-        keys = page_keys(root, node.tokenize(prompt.encode()), page_tokens)
-        node.close()
-        l3_s = []
-        for _ in range(args.repeats):
-            fresh = SkippyLlama(
-                model, n_ctx=N_CTX, verbose=False, cache_settings=Settings(l3=l3(store_a))
-            )
-            l3_s.append(ttft(fresh, prompt))
-            event = fresh.last_cache_event
-            assert event is not None and event.tier == "l3", event
-            fresh.close()
-
-        remote = RemoteSettings(url=url, secret_file=secret)
-        with DiskTier(l3(store_a), reconcile=False, close_at_exit=False) as disk:
-            records = [prefix_record(m, read_prefix(disk, m)) for m in disk._tree.manifests()[0]]
-        with RemoteTier(remote) as node_a:
-            t0 = time.perf_counter()
-            for record in records:
-                node_a.push(record)
-            push_s = time.perf_counter() - t0
-        fetch_s = []
-        with RemoteTier(remote, identity=root) as node_b:
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                depth = node_b.match(root, keys)
-                pages = node_b.fetch(keys[:depth])
-                fetch_s.append(time.perf_counter() - t0)
-            assert len(pages) == depth > 0
-        cold_m, l3_m, fetch_m = (statistics.median(x) for x in (cold_s, l3_s, fetch_s))
-        out: dict[str, Any] = {
-            "command": " ".join([sys.executable, *sys.argv]),
-            "commit": subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip(),
-            "cores": os.cpu_count(),
-            "prompt_tokens": n_tokens,
-            "remote_pages": depth,
-            "remote_bytes": sum(map(len, pages)),
-            "cold_s": cold_s,
-            "l3_restore_s": l3_s,
-            "push_s": push_s,
-            "remote_fetch_s": fetch_s,
-            "remote_fetch_vs_cold": fetch_m / cold_m,
-            "remote_vs_l3_upper": (fetch_m + l3_m) / l3_m,
-            "remote_vs_cold_upper": (fetch_m + l3_m) / cold_m,
-        }
+        for phase in ("remote_on", "server_down"):
+            if phase == "server_down":
+                server.kill()
+                server.wait()
+            for i in range(n):
+                prompt = f"{phase} {i}: " + SENTENCE * (4 + i)
+                plain.reset()
+                seconds, want = ttft(plain, prompt)
+                plain_s[phase] += seconds
+                seconds, got = ttft(skippy, prompt)
+                totals[phase] += seconds
+                equal &= want == got
+                event = skippy.last_cache_event
+                assert event is not None
+                plans[phase].append(event.lookup_ms)
     finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(scratch, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+        skippy.close()
+    return {
+        "never_hit_vs_plain": round(totals["remote_on"] / plain_s["remote_on"], 3),
+        "server_down_vs_plain": round(totals["server_down"] / plain_s["server_down"], 3),
+        "plan_ms_remote_on_median": round(statistics.median(plans["remote_on"]), 3),
+        "plan_ms_server_down_median": round(statistics.median(plans["server_down"]), 3),
+        "never_hit_outputs_equal": equal,
+    }
 
 
 if __name__ == "__main__":

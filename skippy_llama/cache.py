@@ -12,6 +12,7 @@ fault is counted and the request falls back to the next-shallower plan.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import Counter
@@ -164,23 +165,17 @@ class PrefixCache:
         before that thread's next fetch.
         """
         out: list[FetchedPage] = []
-        pages = plan.pages
-        i = 0
-        while i < len(pages):
-            name = pages[i].tier
-            run = [p for p in pages[i:]]
-            end = next((j for j, p in enumerate(run) if p.tier != name), len(run))
-            run = run[:end]
+        for name, group in itertools.groupby(plan.pages, key=lambda page: page.tier):
+            run = list(group)
             tier = self.tier(name)
             got = tier.fetch([p.key for p in run]) if isinstance(tier, PageTier) else []
-            out += [FetchedPage(name, p.key, b, p.used) for p, b in zip(run, got, strict=False)]
+            out += [FetchedPage(name, p.key, b) for p, b in zip(run, got, strict=False)]
             if len(got) < len(run):
-                served = plan.n_tokens - sum(p.used for p in pages[len(out) :])
+                served = plan.n_tokens - sum(p.used for p in plan.pages[len(out) :])
                 return out, (
                     f"{name}: served {served} of {plan.n_tokens} tokens; a page was missing or "
                     "failed verification"
                 )
-            i += len(run)
         return out, None
 
     def commit(self, planned: RestorePlan, outcome: RestoreOutcome, prompt: Prompt) -> None:

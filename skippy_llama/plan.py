@@ -302,7 +302,6 @@ class FetchedPage:
     tier: str
     key: bytes
     payload: bytes | memoryview
-    used: int
 
 
 @dataclass
