@@ -11,7 +11,13 @@ import numpy as np
 from skippy_llama.costs import AlwaysRestore, CostModel
 from skippy_llama.identity import chain_key, page_keys
 from skippy_llama.plan import Planner, Prompt
-from skippy_llama.tiers.base import PageTier, ResidentMatch, ResidentTier, common_prefix
+from skippy_llama.tiers.base import (
+    PageTier,
+    RemotePageTier,
+    ResidentMatch,
+    ResidentTier,
+    common_prefix,
+)
 from skippy_llama.tiers.records import PrefixRecord
 
 ROOT = b"r" * 16
@@ -250,3 +256,43 @@ def test_an_append_plan_keeps_a_short_last_page_past_the_l1_prefix() -> None:
     plan = planner(FakeResident({1: tokens[:150]}), l3).plan(Prompt(tokens, 298, can_append=True))
     assert (plan.n_tokens, plan.base_tokens) == (270, 150)
     assert [p.used for p in plan.pages] == [64, 64, 14]  # [128, 192), [192, 256), the tail
+
+
+@dataclass
+class FakeRemote(FakePages):
+    """A remote tier: never walked page by page, asked once for its match depth."""
+
+    asked: int = 0
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        return False
+
+    def match_depth(self, keys: Sequence[bytes]) -> int:
+        self.asked += 1
+        depth = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            depth += 1
+        return depth
+
+
+def test_a_remote_tier_is_asked_once_and_serves_the_pages_local_tiers_lack() -> None:
+    tokens = toks(300)
+    l3 = FakePages("l3").hold(tokens[:64])
+    remote = FakeRemote("remote").hold(tokens[:256])
+    assert isinstance(remote, RemotePageTier) and not isinstance(l3, RemotePageTier)
+    plan = planner(l3, remote).plan(Prompt(tokens, 298))
+    assert remote.asked == 1
+    assert (plan.tier, plan.n_tokens) == ("remote", 256)
+    assert [p.tier for p in plan.pages] == ["l3", "remote", "remote", "remote"]
+
+
+def test_a_remote_tier_is_not_asked_when_local_tiers_cover_every_whole_page() -> None:
+    tokens = toks(300)
+    remote = FakeRemote("remote").hold(tokens[:256])
+    plan = planner(FakePages("l3").hold(tokens[:256]), remote).plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.n_tokens, remote.asked) == ("l3", 256, 0)
+    # nor when a shallower tier already offers as much as its whole pages could
+    live = planner(remote).plan(Prompt(tokens, 298, live=tokens[:290]))
+    assert (live.tier, live.n_tokens, remote.asked) == ("l1", 290, 0)
