@@ -42,6 +42,8 @@ from .worker import BatchWorker, ItemResult, WorkerSpec
 NAMESPACE = "skippy-llama-batch"
 #: calls queued on each actor: one running, one waiting, so it never waits for the driver
 IN_FLIGHT = 2
+#: the actors' concurrency group for calls that must not wait behind items (``pid``)
+INFO_GROUP = "info"
 #: texts per tokenize call when the actors tokenize the batch for its order
 TOKENIZE_CHUNK = 512
 
@@ -101,7 +103,8 @@ def _connect(ray: Any, address: str | None, local_cpus: int) -> bool:
     """Connect to Ray; returns whether this call started it (and should shut it down)."""
     if ray.is_initialized():
         return False
-    quiet: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    # the actors' own output stays in Ray's session logs: stdout carries only --json's summary
+    quiet: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if address == "local":
         ray.init(num_cpus=local_cpus, include_dashboard=False, **quiet)
     else:  # None: RAY_ADDRESS or a Ray instance running on this machine, else a new one
@@ -243,7 +246,8 @@ class _Pool:
     def _spawn(self) -> None:
         name = self.serial
         self.serial += 1
-        actor_class = self.ray.remote(BatchWorker)
+        # `pid` answers from its own thread while items run (tests kill actors by it)
+        actor_class = self.ray.remote(concurrency_groups={INFO_GROUP: 1})(BatchWorker)
         self.actors[name] = actor_class.options(
             num_cpus=self.cpus,
             name=f"batch-{os.getpid()}-{name}",

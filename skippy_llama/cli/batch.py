@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -194,11 +195,14 @@ def _handle_ray(
     )
     address = "local" if args.ray is None else (args.ray or None)
     try:
-        summary = run_batch_ray(
-            items, out, spec, address=address, workers=args.workers,
-            cpus_per_worker=args.cpus_per_worker, keep_order=args.keep_order,
-            max_tokens=args.max_tokens, temperature=args.temperature, progress=not args.quiet,
-        )  # fmt: skip
+        # Ray prints its own notes (a worker died, ...) on stdout: stdout is --json's
+        with contextlib.redirect_stdout(sys.stderr):
+            summary = run_batch_ray(
+                items, out, spec, address=address, workers=args.workers,
+                cpus_per_worker=args.cpus_per_worker, keep_order=args.keep_order,
+                max_tokens=args.max_tokens, temperature=args.temperature,
+                progress=not args.quiet,
+            )  # fmt: skip
     except KeyboardInterrupt:
         print(
             f"skippy-llama batch: interrupted; finished items are in {args.output}, run the "
