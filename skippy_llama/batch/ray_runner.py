@@ -63,12 +63,15 @@ def import_ray() -> Any:
 class RayBatchSummary(BatchSummary):
     """A :class:`BatchSummary` with the Ray run's workers and its prefill accounting.
 
+    ``elapsed_s`` counts from connecting to Ray (actors starting and loading the model
+    included); ``loop_s`` from the moment every actor was ready to the last result.
     ``prefilled_tokens`` is measured (the actors' caches); the ``*_prefill`` figures are computed
     from the token trie of the items run: ``plan_prefill`` for the order each actor got its
     items in, ``one_process_prefill`` for one process in trie order, ``round_robin_prefill`` for
     the same items dealt round-robin to as many actors (each running its share in trie order).
     """
 
+    loop_s: float = 0.0
     workers: int = 0
     cpus_per_worker: int = 0
     shards: int = 0
@@ -167,6 +170,13 @@ def run_batch_ray(
     ray = import_ray()
     done_ids = out.finished_ids({item.id for item in items})
     pending = [i for i, item in enumerate(items) if item.id not in done_ids]
+    if not pending:  # nothing left to run: no Ray, no model
+        if keep_order:
+            rewrite_in_input_order(out.path, items)
+        return RayBatchSummary(
+            items=len(items), already_done=len(done_ids), run=0, errors=0, prompt_tokens=0,
+            cached_tokens=0, elapsed_s=0.0, est_cold_s=None, order="prefix-affine shards",
+        )  # fmt: skip
     local_cpus = max(os.cpu_count() or 1, (workers or 1) * (cpus_per_worker or 1))
     started_ray = _connect(ray, address, local_cpus)
     pool = _Pool(ray, spec, max_tokens, temperature)
@@ -175,11 +185,14 @@ def run_batch_ray(
         n_workers, cpw = _size(ray, workers, cpus_per_worker)
         pool.start(n_workers, cpw)
         keys = pool.tokenize([items[i].order_text() for i in pending])
-        order = list(range(len(pending))) if keep_order else prefix_order(keys)
+        pool.wait_ready()
+        loop_started = time.perf_counter()
+        order = prefix_order(keys)  # --keep-order only rewrites OUT at the end
         item_cost = DECODE_WEIGHT * max_tokens
         shards = plan_shards(keys, order, n_workers, item_cost=item_cost)
         sched = AffineScheduler(keys, shards, item_cost=item_cost, max_suspect=max_suspect)
         stats = pool.drive(sched, [items[i] for i in pending], out, progress)
+        loop_s = time.perf_counter() - loop_started
     finally:
         out.close()
         pool.stop()
@@ -197,6 +210,7 @@ def run_batch_ray(
         elapsed_s=round(time.perf_counter() - started, 3),
         est_cold_s=None,
         order="prefix-affine shards" + (", OUT rewritten in input order" if keep_order else ""),
+        loop_s=round(loop_s, 3),
         workers=n_workers,
         cpus_per_worker=cpw,
         shards=len(shards),
@@ -254,6 +268,25 @@ class _Pool:
             namespace=NAMESPACE,
             max_restarts=0,
         ).remote(self.spec)
+
+    def wait_ready(self) -> None:
+        """Wait until every actor has loaded its model (one that failed is replaced)."""
+        while True:
+            calls = {
+                n: a.pid.options(concurrency_group=INFO_GROUP).remote()
+                for n, a in self.actors.items()
+            }
+            failed = None
+            for name, ref in calls.items():
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayActorError as exc:
+                    failed = exc
+                    self._lose(name)
+            if failed is None:
+                return
+            if not self.actors:
+                raise self._no_workers(failed)
 
     def _lose(self, name: int) -> None:
         actor = self.actors.pop(name)

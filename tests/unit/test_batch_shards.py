@@ -3,7 +3,9 @@ estimate (``batch --ray``), on token lists: no Ray, no model."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +157,16 @@ def test_a_worker_with_nothing_in_flight_dies_without_blame() -> None:
     assert sched.worker_lost("a") == [] and sched.suspect == {}
     with pytest.raises(ValueError, match="max_suspect"):
         AffineScheduler(keys, [], max_suspect=0)
+
+
+def test_keep_order_rewrite_puts_out_in_input_order(tmp_path: Path) -> None:
+    from skippy_llama.batch import load_items
+    from skippy_llama.batch.ray_runner import rewrite_in_input_order
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}"}) + "\n" for i in (3, 1, 2)))
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps({"id": i, "text": f"t{i}"}) + "\n" for i in (1, 2, 3)))
+    rewrite_in_input_order(out, load_items(inp))
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [3, 1, 2]
+    assert not (tmp_path / "out.jsonl.reorder").exists()
