@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                 "round_robin_prefill": s["round_robin_prefill"],
                 "one_process_prefill": s["one_process_prefill"],
                 "shards": s["shards"],
+                "schedule_speedup": s["schedule_speedup"],
+                "busy_s": s["busy_s"],
+                "parallelism": round(s["busy_s"] / s["loop_s"], 3),
                 "steals": s["steals"],
                 "items_per_actor": s["items_per_actor"],
                 "identical_to_single": _lines(out) == reference,
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "round_robin_vs_single": round(ray2["round_robin_prefill"] / single_prefill, 3),
         "round_robin_vs_ray2": round(ray2["round_robin_prefill"] / ray2["prefilled_tokens"], 3),
         "throughput_2_vs_1": [p["throughput_2_vs_1"] for p in runs],
+        "schedule_speedup_2": ray2["schedule_speedup"],
+        "parallelism_2": [p["ray2"]["parallelism"] for p in runs],
         "ray1_vs_single_loop": round(runs[0]["ray1"]["loop_s"] / single["elapsed_s"], 3),
         "all_identical": all(p[n]["identical_to_single"] for p in runs for n in ("ray1", "ray2")),
     }

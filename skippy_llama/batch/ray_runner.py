@@ -65,6 +65,9 @@ class RayBatchSummary(BatchSummary):
 
     ``elapsed_s`` counts from connecting to Ray (actors starting and loading the model
     included); ``loop_s`` from the moment every actor was ready to the last result.
+    ``schedule_speedup`` is the estimated speedup the schedule allows over one actor (all the
+    work over the busiest actor's, from the trie, see :class:`.shards.AffineScheduler`);
+    ``busy_s`` sums the actors' item times (``busy_s / loop_s``: the parallelism reached).
     ``prefilled_tokens`` is measured (the actors' caches); the ``*_prefill`` figures are computed
     from the token trie of the items run: ``plan_prefill`` for the order each actor got its
     items in, ``one_process_prefill`` for one process in trie order, ``round_robin_prefill`` for
@@ -80,6 +83,8 @@ class RayBatchSummary(BatchSummary):
     items_retried: int = 0
     items_given_up: int = 0
     prefilled_tokens: int = 0
+    schedule_speedup: float = 1.0
+    busy_s: float = 0.0
     plan_prefill: int = 0
     one_process_prefill: int = 0
     round_robin_prefill: int = 0
@@ -96,7 +101,8 @@ class RayBatchSummary(BatchSummary):
         return (
             f"{super().render()}\n"
             f"ray: {self.workers} actors x {self.cpus_per_worker} CPUs, {self.shards} shards, "
-            f"{self.steals} split at the end{lost}; prefilled {self.prefilled_tokens} prompt "
+            f"{self.steals} split at the end{lost}, schedule speedup "
+            f"{self.schedule_speedup:.2f}x; prefilled {self.prefilled_tokens} prompt "
             f"tokens (trie estimate {self.plan_prefill}; one process {self.one_process_prefill}; "
             f"round-robin over {self.workers} actors {self.round_robin_prefill}{rr})"
         )
@@ -215,6 +221,8 @@ def run_batch_ray(
         cpus_per_worker=cpw,
         shards=len(shards),
         steals=sched.steals,
+        schedule_speedup=round(sched.schedule_speedup, 3),
+        busy_s=round(stats.busy_s, 3),
         actors_lost=pool.lost,
         items_retried=sched.requeued,
         items_given_up=stats.given_up,
@@ -234,6 +242,7 @@ class _Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefilled_tokens: int = 0
+    busy_s: float = 0.0
     per_actor: Counter[int] = field(default_factory=Counter)
 
 
@@ -392,6 +401,7 @@ class _Pool:
             stats.prompt_tokens += result.prompt_tokens
             stats.cached_tokens += result.cached_tokens
             stats.prefilled_tokens += result.prefilled_tokens
+            stats.busy_s += result.seconds
             stats.per_actor[result.pid] += 1
             out.write(result.record)
             bar.update(

@@ -163,7 +163,8 @@ class AffineScheduler:
 
     Workers are any hashable names. Calls: :meth:`next_item` when a worker can take one more,
     :meth:`finished` when its result is back, :meth:`worker_lost` when it died.
-    ``prefill_by_plan`` sums, from the trie, what each worker prefilled for the items it was
+    ``cost_by_worker`` is what each was handed, in prefilled-token units with decode weighed in
+    (a replacement worker under a new name counts apart). ``prefill_by_plan`` sums, from the trie, what each worker prefilled for the items it was
     handed in the order it got them (the measured figure comes from the workers' caches).
     """
 
@@ -185,14 +186,17 @@ class AffineScheduler:
         self.suspect: dict[int, int] = {}
         self.remaining = sum(len(s) for s in self.queue)
         self.prefill_by_plan = 0
+        self.cost_by_worker: dict[Hashable, int] = {}
         self.steals = 0
         self.requeued = 0
 
     def _worker(self, worker: Hashable) -> _Worker:
         return self.workers.setdefault(worker, _Worker())
 
-    def _hand_out(self, state: _Worker, index: int) -> int:
-        self.prefill_by_plan += _step(self.keys, state.last, index)
+    def _hand_out(self, state: _Worker, index: int, worker: Hashable) -> int:
+        step = _step(self.keys, state.last, index)
+        self.prefill_by_plan += step
+        self.cost_by_worker[worker] = self.cost_by_worker.get(worker, 0) + step + self.item_cost
         state.last = index
         state.in_flight.append(index)
         return index
@@ -206,7 +210,7 @@ class AffineScheduler:
                 state.shard = self.queue.popleft()
             elif not self._steal(worker, state):
                 return None
-        return self._hand_out(state, state.shard.popleft())
+        return self._hand_out(state, state.shard.popleft(), worker)
 
     def _left_cost(self, state: _Worker, items: Sequence[int]) -> int:
         """Time a worker still needs for its in-flight items plus ``items`` after them."""
@@ -264,6 +268,14 @@ class AffineScheduler:
             self.queue.appendleft(deque(back))
             self.requeued += len(state.in_flight) - len(given_up)
         return given_up
+
+    @property
+    def schedule_speedup(self) -> float:
+        """What the items handed out so far cost, in all, over what the busiest worker's cost:
+        the speedup this schedule allows over one worker when workers do not compete for
+        cores (time in prefilled-token units, decode weighed in by ``item_cost``)."""
+        costs = self.cost_by_worker.values()
+        return sum(costs) / max(costs) if costs else 1.0
 
     @property
     def done(self) -> bool:
