@@ -10,7 +10,7 @@ its two sides share (``lcp`` below), and the cheap cuts are at the trie's shallo
 :class:`AffineScheduler` hands the shards out from a queue, one item at a time: a worker keeps
 taking the next item of its own shard, an idle worker takes the next shard, and when the queue
 is empty an idle worker takes the tail of another worker's shard, split at a trie child, if that
-ends the batch sooner. A worker that dies gives its unfinished items back (to the front of the
+ends the batch sooner by more than the prefix it prefills again. A worker that dies gives its unfinished items back (to the front of the
 queue); the item it was running is counted against, and one that took ``max_suspect`` workers
 with it is given up so the batch goes on.
 
@@ -31,8 +31,8 @@ Key = Sequence[int]
 #: again costs about as much as the call itself (a BOS and a word or two of a template).
 MIN_SHARED_TOKENS = 16
 
-#: A steal must cut the time left on the victim's shard by this share at least; a smaller gain
-#: is not worth the shared prefix the thief prefills again.
+#: A steal must cut the time left on the victim's shard by this share at least, and by more
+#: than the shared prefix the thief prefills again (never more work added than time saved).
 STEAL_GAIN = 0.25
 
 #: A decoded token costs about as much time as this many prefilled ones on a CPU (SmolLM2,
@@ -226,11 +226,17 @@ class AffineScheduler:
             now = self._left_cost(victim, tail)
             for p in range(len(tail)):
                 left = self._left_cost(victim, tail[:p])
-                right = chain_prefill(self.keys, tail[p:], state.last) + self.item_cost * (
-                    len(tail) - p
+                right = chain_prefill(self.keys, tail[p:], state.last)
+                # the prefix the cut makes the thief prefill again (the victim had it)
+                added = right - chain_prefill(
+                    self.keys, tail[p:], tail[p - 1] if p else victim.last
                 )
-                after = max(left, right)
-                if after <= (1 - STEAL_GAIN) * now and (best is None or after < best[0]):
+                after = max(left, right + self.item_cost * (len(tail) - p))
+                if (
+                    after <= (1 - STEAL_GAIN) * now
+                    and now - after >= added
+                    and (best is None or after < best[0])
+                ):
                     best = (after, name, p)
         if best is None:
             return False

@@ -121,6 +121,14 @@ def test_idle_worker_splits_a_long_shard_at_the_end_but_not_a_short_one() -> Non
     stolen = sched.next_item("b")  # "b" idles: takes the far half of "a"'s shard
     assert sched.steals == 1 and stolen is not None
     assert order.index(stolen) > 15
+    # a document's last questions: the thief would end them 26 % sooner (465 units against
+    # 630; each item weighs 15 question tokens + 40 for decoding), but prefill its 300 tokens
+    # again to save 165: not taken
+    keys = [[*range(1000, 1300), *[q] * 15] for q in range(6)]
+    order = prefix_order(keys)
+    sched = AffineScheduler(keys, plan_shards(keys, order, 1), item_cost=40)
+    sched.next_item("a"), sched.next_item("a")
+    assert sched.next_item("b") is None and sched.steals == 0
     # a document with few questions left is not worth its prefix again
     keys = [[*range(1000, 1300), q] for q in range(4)]
     order = prefix_order(keys)
