@@ -114,10 +114,14 @@ def _connect(ray: Any, address: str | None, local_cpus: int) -> bool:
         return False
     # the actors' own output stays in Ray's session logs: stdout carries only --json's summary
     quiet: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-    if address == "local":
-        ray.init(num_cpus=local_cpus, include_dashboard=False, **quiet)
-    else:  # None: RAY_ADDRESS or a Ray instance running on this machine, else a new one
-        ray.init(address=address, **quiet)
+    try:
+        if address == "local":
+            ray.init(num_cpus=local_cpus, include_dashboard=False, **quiet)
+        else:  # None: RAY_ADDRESS or a Ray instance running on this machine, else a new one
+            ray.init(address=address, **quiet)
+    except (ConnectionError, TimeoutError, ValueError) as exc:
+        where = "a local Ray instance" if address == "local" else f"Ray at {address or 'auto'}"
+        raise ConfigError(f"--ray: could not start or reach {where}: {exc}") from None
     return True
 
 
