@@ -391,8 +391,9 @@ class _Pool:
                     out.write(
                         {
                             "id": items[lost].id,
-                            "error": f"WorkerDied: the Ray worker running this item died "
-                            f"{sched.max_suspect} times ({type(exc).__name__})",
+                            "error": f"WorkerDied: a Ray worker died while running this item, "
+                            f"{sched.max_suspect} of {sched.max_suspect} tries "
+                            f"({type(exc).__name__})",
                         }
                     )
                 if name in self.actors:

@@ -103,6 +103,13 @@ def register(sub: Any) -> None:
         help="CPUs reserved per actor, its n_threads unless --threads is given (default: "
         "the CPUs / --workers, or 4 with --ray alone)",
     )
+    ray.add_argument(
+        "--item-retries",
+        type=int,
+        default=1,
+        help="times an item that was running when its actor died is run again; after that "
+        "it is recorded as an error (default 1)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     add_settings_arguments(parser)
@@ -119,6 +126,8 @@ def handle(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be at least 1")
+    if args.item_retries < 0:
+        raise ConfigError(f"--item-retries {args.item_retries} must be 0 or more")
     on_ray = args.ray is not None or args.workers is not None
     if args.cpus_per_worker is not None and not on_ray:
         raise ConfigError("--cpus-per-worker needs --ray or --workers")
@@ -204,7 +213,7 @@ def _handle_ray(
                 items, out, spec, address=address, workers=args.workers,
                 cpus_per_worker=args.cpus_per_worker, keep_order=args.keep_order,
                 max_tokens=args.max_tokens, temperature=args.temperature,
-                progress=not args.quiet,
+                progress=not args.quiet, max_suspect=args.item_retries + 1,
             )  # fmt: skip
     except KeyboardInterrupt:
         print(

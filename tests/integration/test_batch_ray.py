@@ -178,6 +178,32 @@ def test_actor_killed_mid_shard_its_items_finish_elsewhere(
     assert sorted(lines) == reference
 
 
+def test_item_running_when_its_actor_dies_past_its_retries_is_an_error(
+    smollm2_path: Path, input_file: Path, reference: list[str], ray_address: str, tmp_path: Path
+) -> None:
+    import ray
+
+    from skippy_llama.batch.ray_runner import INFO_GROUP, NAMESPACE
+
+    out = tmp_path / "given-up.jsonl"
+    argv = _cmd(input_file, out, "--json", "--item-retries", "0", *_ray(ray_address),
+                model=smollm2_path)  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_lines(proc, out, 2)
+    actor = ray.get_actor(f"batch-{proc.pid}-1", namespace=NAMESPACE)
+    os.kill(ray.get(actor.pid.options(concurrency_group=INFO_GROUP).remote()), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr  # a failed item: exit 1, as without Ray
+    summary = json.loads(stdout)
+    assert summary["actors_lost"] == 1 and summary["items_given_up"] == summary["errors"] == 1
+    records = [json.loads(line) for line in _lines(out)]
+    (failed,) = [r for r in records if "error" in r]
+    assert failed["error"].startswith("WorkerDied: a Ray worker died while running this item")
+    want = {r["id"]: r for r in map(json.loads, reference) if r["id"] != failed["id"]}
+    assert {r["id"]: r for r in records if "error" not in r} == want
+    assert len(records) == len(_items())
+
+
 def test_bad_line_stops_before_ray_or_a_model_starts(
     smollm2_path: Path, ray_address: str, tmp_path: Path
 ) -> None:
