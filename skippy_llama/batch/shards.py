@@ -222,22 +222,30 @@ class AffineScheduler:
         for name, victim in self.workers.items():
             if name == worker or not victim.shard:
                 continue
+            # one pass over the victim's tail (prefix sums): a shard may hold thousands of items
             tail = list(victim.shard)
-            now = self._left_cost(victim, tail)
+            steps = [
+                _step(self.keys, tail[k - 1] if k else victim.last, tail[k])
+                for k in range(len(tail))
+            ]
+            in_flight = self._left_cost(victim, [])
+            total = sum(steps)
+            now = in_flight + total + self.item_cost * len(tail)
+            done = 0  # prefill of tail[:p] on the victim
             for p in range(len(tail)):
-                left = self._left_cost(victim, tail[:p])
-                right = chain_prefill(self.keys, tail[p:], state.last)
-                # the prefix the cut makes the thief prefill again (the victim had it)
-                added = right - chain_prefill(
-                    self.keys, tail[p:], tail[p - 1] if p else victim.last
-                )
-                after = max(left, right + self.item_cost * (len(tail) - p))
+                left = in_flight + done + self.item_cost * p
+                first = _step(self.keys, state.last, tail[p])
+                right = first + total - done - steps[p] + self.item_cost * (len(tail) - p)
+                after = max(left, right)
+                # the cut makes the thief prefill again the prefix the victim had
+                added = first - steps[p]
                 if (
                     after <= (1 - STEAL_GAIN) * now
                     and now - after >= added
                     and (best is None or after < best[0])
                 ):
                     best = (after, name, p)
+                done += steps[p]
         if best is None:
             return False
         _, name, p = best
