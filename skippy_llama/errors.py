@@ -20,7 +20,8 @@ The tree::
     │   └── UntrustedDirectoryError         the L3 directory is not private to this user
     ├── PackageError (ValueError)           a model package is malformed or tampered with
     ├── ModelNotFoundError (FileNotFoundError)
-    └── RosterError (ValueError)            the patch queue or roster is inconsistent
+    ├── RosterError (ValueError)            the patch queue or roster is inconsistent
+    └── BatchError                          a batch cannot go on (every Ray worker is gone)
 """
 
 from __future__ import annotations
@@ -89,3 +90,8 @@ class ModelNotFoundError(SkippyError, FileNotFoundError):
 
 class RosterError(SkippyError, ValueError):
     """The patch queue or the split-certified roster is missing, malformed or inconsistent."""
+
+
+class BatchError(SkippyError):
+    """A batch cannot go on: every Ray worker died (or none could load the model) and none can
+    be started in its place. Finished items are in OUT; rerunning resumes."""
