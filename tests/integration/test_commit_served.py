@@ -63,7 +63,19 @@ def filled(smollm2_path: Path, tmp_path: Path) -> str:
     return answer
 
 
-def _served(llm: SkippyLlama, trace: Path) -> tuple[str, Any, dict[str, Any], LookupEvent]:
+def _served(
+    model: Path, tmp_path: Path, costs: CostModel
+) -> tuple[str, Any, dict[str, Any], LookupEvent]:
+    """PROMPT answered by a new instance with ``costs`` and a trace: its text, event, counters
+    and the trace's one lookup."""
+    trace = tmp_path / "trace.jsonl"
+    llm = SkippyLlama(
+        str(model),
+        n_ctx=1024,
+        verbose=False,
+        cache_settings=_settings(tmp_path, trace),
+        cost_model=costs,
+    )
     try:
         text = _complete(llm)
         event = llm.last_cache_event
@@ -80,15 +92,7 @@ def _served(llm: SkippyLlama, trace: Path) -> tuple[str, Any, dict[str, Any], Lo
 def test_a_hit_the_cost_model_rejects_counts_as_the_cold_prefill_that_served(
     smollm2_path: Path, tmp_path: Path, filled: str
 ) -> None:
-    trace = tmp_path / "trace.jsonl"
-    llm = SkippyLlama(
-        str(smollm2_path),
-        n_ctx=1024,
-        verbose=False,
-        cache_settings=_settings(tmp_path, trace),
-        cost_model=PagesNeverPay(),
-    )
-    text, event, counters, lookup = _served(llm, trace)
+    text, event, counters, lookup = _served(smollm2_path, tmp_path, PagesNeverPay())
     assert text == filled
     assert event.tier == "cold" and event.cached_tokens == 0
     assert counters["hits"] == {} and counters["misses"] == 1
@@ -109,15 +113,7 @@ def test_a_hit_whose_pages_fail_verification_counts_as_what_served(
             value = store.get(key)
             assert isinstance(value, bytes)
             store.set(key, value[: len(value) // 2])
-    trace = tmp_path / "trace.jsonl"
-    llm = SkippyLlama(
-        str(smollm2_path),
-        n_ctx=1024,
-        verbose=False,
-        cache_settings=_settings(tmp_path, trace),
-        cost_model=AlwaysRestore(),
-    )
-    text, event, counters, lookup = _served(llm, trace)
+    text, event, counters, lookup = _served(smollm2_path, tmp_path, AlwaysRestore())
     assert text == filled
     assert event.tier == "cold" and event.cached_tokens == 0
     assert any("failed verification" in note for note in event.fallbacks)
