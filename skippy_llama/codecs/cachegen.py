@@ -70,6 +70,13 @@ _PAGE_HEAD = struct.Struct("<4sHHIIIII")  # state/pages.py's page header
 _PAGE_LAYER = struct.Struct("<iQiII")
 ANCHOR_LEVELS = 127  # 8-bit anchors: symbols 0..254
 Coder = Literal["zstd", "ans"]
+#: How the encoder sets a matrix's steps (the decoder reads them either way): ``channel``, one
+#: step per channel from its own range (``max |delta| / L``), or ``layer``, one step for the
+#: whole matrix (``rms(delta) / 2**(bits-3)``; a channel widens it only where 8-bit symbols
+#: would clip): equal absolute error in every channel, so entropy coding spends the bits where
+#: the values are large.
+Step = Literal["channel", "layer"]
+_FLAG_WIDE = 1  # symbols span -127..127 whatever the bits (``step = "layer"``)
 _CODERS: dict[str, int] = {"zstd": 1, "ans": 2}
 _CODER_NAMES = {v: k for k, v in _CODERS.items()}
 _F32, _F16 = 0, 1
@@ -99,6 +106,7 @@ class CacheGenParams:
     v_bits: tuple[int, ...] = (6, 5, 5)
     group_tokens: int = 16
     coder: Coder = "zstd"
+    step: Step = "channel"
 
     def __post_init__(self) -> None:
         if not self.k_bits or len(self.k_bits) != len(self.v_bits) or len(self.k_bits) > 64:
@@ -109,6 +117,8 @@ class CacheGenParams:
             raise ValueError(f"group_tokens must be 1..255, got {self.group_tokens}")
         if self.coder not in _CODERS:
             raise ValueError(f"coder must be one of {sorted(_CODERS)}, got {self.coder!r}")
+        if self.step not in ("channel", "layer"):
+            raise ValueError(f"step must be 'channel' or 'layer', got {self.step!r}")
 
     def identity(self) -> dict[str, Any]:
         """The codec as the cache identity and the roster record it (JSON values)."""
@@ -119,6 +129,7 @@ class CacheGenParams:
             "v_bits": list(self.v_bits),
             "group_tokens": self.group_tokens,
             "coder": self.coder,
+            "step": self.step,
         }
 
     @classmethod
@@ -138,12 +149,16 @@ class CacheGenParams:
         coder = doc.get("coder", "zstd")
         if coder not in _CODERS:
             raise ValueError(f"unknown coder {coder!r}")
-        return cls(tuple(k), tuple(v), int(doc["group_tokens"]), coder)
+        step = doc.get("step", "channel")
+        if step not in ("channel", "layer"):
+            raise ValueError(f"unknown step mode {step!r}")
+        return cls(tuple(k), tuple(v), int(doc["group_tokens"]), coder, step)
 
     def describe(self) -> str:
         return (
             f"{NAME}/{CODEC_VERSION} K bits {'/'.join(map(str, self.k_bits))} "
             f"V bits {'/'.join(map(str, self.v_bits))} group {self.group_tokens} {self.coder}"
+            f" step {self.step}"
         )
 
 
@@ -253,8 +268,9 @@ def _bits(params_bits: tuple[int, ...], n_layer: int) -> list[int]:
     return [params_bits[min(groups - 1, il * groups // n_layer)] for il in range(n_layer)]
 
 
-def _levels(bits: int) -> int:
-    return (1 << (bits - 1)) - 1
+def _levels(bits: int, wide: bool = False) -> int:
+    """Symbols of a matrix coded with ``bits`` span ``-L..L``."""
+    return ANCHOR_LEVELS if wide else (1 << (bits - 1)) - 1
 
 
 # ------------------------------------------------------------------------------------ encode
@@ -288,17 +304,28 @@ def encode(page: bytes | bytearray | memoryview, params: CacheGenParams) -> byte
         qa = np.clip(np.rint(_safe_div(a, a_s)), -ANCHOR_LEVELS, ANCHOR_LEVELS)
         a_hat = qa * a_s
         d = x - a_hat[groups]
-        level = _levels(bits[m])
-        step = _scale(np.abs(d).max(axis=0) / level, dtype)
+        wide = params.step == "layer"
+        level = _levels(bits[m], wide)
+        top = np.abs(d).max(axis=0)
+        if wide:
+            # one step for the matrix, widened only where a channel would clip
+            rms = float(np.sqrt(np.mean(np.square(d))))
+            step = _scale(np.maximum(rms * 2.0 ** (3 - bits[m]), top / level), dtype)
+        else:
+            step = _scale(top / level, dtype)
         qd = np.clip(np.rint(_safe_div(d, step.astype(np.float32))), -level, level)
         scales += [a_scale, step]
         deltas.append((qd + level).astype(np.uint8))
         anchors.append((qa + ANCHOR_LEVELS).astype(np.uint8))
-    coded = _code(params.coder, deltas + anchors, bits + [8] * len(anchors))
+    wide = params.step == "layer"
+    coded = _code(
+        params.coder, deltas + anchors, [8 if wide else b for b in bits] + [8] * len(anchors)
+    )
     ext = bytes(buf[head : head + shape.ext_size])
     scale_bytes = b"".join(np.ascontiguousarray(s).tobytes() for s in scales)
     top = _HEAD.pack(
-        MAGIC, CODEC_VERSION, _CODERS[params.coder], G, len(params.k_bits), 8, 0,
+        MAGIC, CODEC_VERSION, _CODERS[params.coder], G, len(params.k_bits), 8,
+        _FLAG_WIDE if wide else 0,
         shape.native_size, head, len(coded),
     )  # fmt: skip
     return b"".join(
@@ -387,6 +414,7 @@ class _Header:
     group_tokens: int
     k_bits: tuple[int, ...]
     v_bits: tuple[int, ...]
+    wide: bool
     shape: _Shape
     scales_at: int
     coded_at: int
@@ -396,7 +424,7 @@ class _Header:
 def _header(stored: memoryview, n_tokens: int | None) -> _Header:
     if len(stored) < _HEAD.size:
         raise StateFormatError(f"{NAME} payload truncated in its header ({len(stored)} bytes)")
-    magic, version, coder, G, n_groups, anchor_bits, _, native, head, coded = _HEAD.unpack_from(
+    magic, version, coder, G, n_groups, anchor_bits, flags, native, head, coded = _HEAD.unpack_from(
         stored
     )
     if magic != MAGIC:
@@ -407,7 +435,7 @@ def _header(stored: memoryview, n_tokens: int | None) -> _Header:
         )
     if coder not in _CODER_NAMES:
         raise UnknownCodecError(f"{NAME} payload with unknown entropy coder {coder}")
-    if not 1 <= G <= 255 or not 1 <= n_groups <= 64 or anchor_bits != 8:
+    if not 1 <= G <= 255 or not 1 <= n_groups <= 64 or anchor_bits != 8 or flags & ~_FLAG_WIDE:
         raise StateFormatError(f"implausible {NAME} header (group {G}, {n_groups} layer groups)")
     off = _HEAD.size
     if len(stored) < off + 2 * n_groups:
@@ -437,7 +465,17 @@ def _header(stored: memoryview, n_tokens: int | None) -> _Header:
         raise StateFormatError(
             f"{NAME} payload is {len(stored)} bytes, its header says {off + coded}"
         )
-    return _Header(_CODER_NAMES[coder], G, k_bits, v_bits, shape, scales_at, off, coded)
+    return _Header(
+        _CODER_NAMES[coder],
+        G,
+        k_bits,
+        v_bits,
+        bool(flags & _FLAG_WIDE),
+        shape,
+        scales_at,
+        off,
+        coded,
+    )
 
 
 def codec_of(stored: bytes | bytearray | memoryview) -> tuple[str, int] | None:
@@ -487,6 +525,8 @@ def decode_into(
     n_anchor = -(-T // G)
     n_mat = 2 * shape.n_layer
     bits = _bits(h.k_bits, shape.n_layer) + _bits(h.v_bits, shape.n_layer)
+    if h.wide:
+        bits = [8] * n_mat  # symbols span -127..127 (the bits set the encoder's steps only)
     sizes = [T * c for c in shape.channels] + [n_anchor * c for c in shape.channels]
     symbols = _decode_symbols(h, view, sizes, bits + [8] * n_mat)
     scales = np.frombuffer(view, shape.dtype, 2 * sum(shape.channels), h.scales_at)

@@ -49,12 +49,13 @@ def _check_round_trip(page: Page, k: np.ndarray, v: np.ndarray, params: CacheGen
     return stored
 
 
+@pytest.mark.parametrize("step", ["channel", "layer"])
 @pytest.mark.parametrize("coder", CODERS)
 @pytest.mark.parametrize("v_trans", [True, False])
 @pytest.mark.parametrize("ggml_type", [F16, F32])
-def test_round_trip_within_bound(coder: str, v_trans: bool, ggml_type: int) -> None:
+def test_round_trip_within_bound(coder: str, v_trans: bool, ggml_type: int, step: str) -> None:
     page, k, v = make_page(v_trans=v_trans, ggml_type=ggml_type, ext_bytes=4, start=256)
-    params = CacheGenParams((6, 5, 4), (6, 4, 4), group_tokens=16, coder=coder)  # type: ignore[arg-type]
+    params = CacheGenParams((6, 5, 4), (6, 4, 4), 16, coder, step)  # type: ignore[arg-type]
     stored = _check_round_trip(page, k, v, params)
     assert len(stored) < 0.6 * len(page.to_bytes())
 
@@ -94,6 +95,7 @@ def test_identity_form_round_trips_and_is_checked() -> None:
         {**params.identity(), "k_bits": [4, 4]},
         {**params.identity(), "group_tokens": "64"},
         {**params.identity(), "coder": "lzma"},
+        {**params.identity(), "step": "token"},
         [],
     ):
         with pytest.raises(ValueError):
@@ -140,7 +142,8 @@ def test_unknown_version_and_codec_are_refused() -> None:
 
 def test_header_fields_are_validated() -> None:
     raw, stored = _stored()
-    for offset, value in ((7, 0), (8, 0), (9, 7), (14, 1)):  # group 0, no layer groups, anchors
+    # group 0, no layer groups, anchor bits, unknown flags, native size
+    for offset, value in ((7, 0), (8, 0), (9, 7), (10, 4), (14, 1)):
         bad = bytearray(stored)
         bad[offset] = value
         with pytest.raises(StateFormatError):
@@ -184,6 +187,7 @@ def test_params_validation() -> None:
         {"group_tokens": 0},
         {"group_tokens": 256},
         {"coder": "lzma"},
+        {"step": "token"},
     ):
         with pytest.raises(ValueError):
             CacheGenParams(**kw)  # type: ignore[arg-type]
