@@ -11,7 +11,7 @@ For ``l3.codec`` = native and = cachegen (SmolLM2, F16 K/V, CPU):
    time to first token (``create_completion`` with ``max_tokens=1``) is compared with a cold
    prefill of the same prompt by plain ``llama_cpp.Llama`` in the same process.
 3. overhead where nothing is reused (same process, interleaved): ``--overhead`` distinct
-   prompts of ~600 tokens with 32 generated tokens each, SkippyLlama (L3 on, the codec under test)
+   prompts of ~400 tokens with 32 generated tokens each, SkippyLlama (L3 on, the codec under test)
    against plain ``llama_cpp.Llama``: total request time ratio (the writer encodes after the
    reply, in the background, at a lower thread priority).
 
@@ -42,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 PREFIX_TOKENS = 2048
+OVERHEAD_TOKENS = 400
 QUESTION = "\n\nQuestion {i}: in one sentence, what does the text above say about {topic}?\n"
 TOPICS = ("restores", "pages", "the disk tier", "benchmarks", "CacheGen", "identity")
 
@@ -108,7 +109,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "codec": spec["codec"], "compression": "zstd"},
     )  # fmt: skip
     model = str(default_model_path())
-    kw = {"n_ctx": 4096, "n_batch": 512, "verbose": False, "seed": 1}
+    kw = {"n_ctx": 4096, "n_batch": 512, "verbose": False, "seed": 1, "n_threads": 2}
     llm = SkippyLlama(model, cache_settings=settings, **kw)
     disk = llm.prefix_cache.disk
     assert disk is not None
@@ -147,7 +148,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         plain.close()
     else:  # overhead: nothing is reused
         plain = llama_cpp.Llama(model, **kw)
-        texts = _documents(llm, spec["prompts"] * 2, 600)[spec["prompts"] :]
+        texts = _documents(llm, spec["prompts"] * 2, OVERHEAD_TOKENS)[spec["prompts"] :]
         mine, theirs = [], []
         for i, doc in enumerate(texts):
             prompt = doc + QUESTION.format(i=i, topic=TOPICS[i % 6])
@@ -231,7 +232,7 @@ def main() -> int:
         "command": " ".join(["benchmarks/bench_cachegen_l3.py", *sys.argv[1:]]),
         "commit": commit,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
-        "model": "SmolLM2-135M-Instruct Q4_1, F16 K/V, flash attention off, n_ctx 4096",
+        "model": "SmolLM2-135M-Instruct Q4_1, F16 K/V, flash attention off, n_ctx 4096, 2 threads",
         "forced_params": args.params,
         "results": results,
     }

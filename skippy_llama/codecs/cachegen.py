@@ -23,8 +23,11 @@ Per page (all layers, K and V, of ``n_tokens`` tokens) and per K or V matrix of 
      within 2 % of the symbols' order-0 entropy, decoding at GB/s. Per-channel steps make every
      channel's symbols alike, so one Huffman table per 128 KiB block is near optimal;
    - ``ans``: constriction's ANS (Rust) with one categorical distribution per matrix (layer, K
-     or V), stored with the page. At the entropy, but decodes about 60 M symbols/s on one core,
-     too slow for a restore (kept for measurement; ``pip install 'skippy-llama[cachegen]'``).
+     or V), stored with the page. At each model's entropy, yet it stored more than zstd on
+     SmolLM2 (0.382 of native against 0.367 at 6 bits: zstd's Huffman tables adapt per block)
+     and decoded about 7x slower (60 M symbols/s on one core); kept for measurement.
+
+   Both come with the ``cachegen`` extra (``pip install 'skippy-llama[cachegen]'``).
 
 Decoding writes native page bytes (the page header, F16 or F32 K/V) straight into a caller's
 buffer (:func:`decode_into`), so everything after the codec (L2, assembly, ``set_data``) is
@@ -102,9 +105,12 @@ class CacheGenParams:
         coder: the entropy coder, ``zstd`` or ``ans``.
     """
 
-    k_bits: tuple[int, ...] = (6, 5, 5)
-    v_bits: tuple[int, ...] = (6, 5, 5)
-    group_tokens: int = 16
+    k_bits: tuple[int, ...] = (6, 6, 6)
+    v_bits: tuple[int, ...] = (6, 6, 6)
+    #: one anchor per 128-token page: anchors every 16 or 32 tokens stored more on SmolLM2
+    #: (0.375 and 0.371 of native against 0.367 at 6 bits), its tokens' K/V being barely
+    #: correlated (``benchmarks/results/cachegen-codec.json``)
+    group_tokens: int = 128
     coder: Coder = "zstd"
     step: Step = "channel"
 
