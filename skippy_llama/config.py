@@ -64,6 +64,10 @@ def _repair_mode(value: Any) -> Any:
 Repair = Annotated[Literal["auto", "always", "never"], BeforeValidator(_repair_mode)]
 #: How L3 stores page bytes (see ``skippy_llama.codecs``).
 Compression = Literal["auto", "zstd", "none"]
+#: Which page codec a tier stores with: ``native`` (exact pages, compressed per ``compression``)
+#: or ``cachegen`` (lossy, experimental, only where the roster qualifies it). A remote tier takes
+#: the same setting; the codec is part of the cache identity either way.
+PageCodec = Literal["native", "cachegen"]
 
 _EXAMPLES = {
     "page_tokens": "128",
@@ -78,6 +82,7 @@ _EXAMPLES = {
     "l3.writer_queue": "64",
     "l3.writer_nice": "10 (0 to 19)",
     "l3.policy": "'reuse' (default), 'lru' or 'shipped'",
+    "l3.codec": "'native' (default) or 'cachegen'",
     "l3.trace_file": "'/tmp/skippy-trace.jsonl'",
     "l3.secret_file": "'/etc/skippy-llama/l3.key' (created with `head -c 32 /dev/urandom`)",
     "remote.url": "'redis://cache-host:6379/0' or 'unix:///run/redis/redis.sock'",
@@ -196,6 +201,17 @@ class L3Settings(BaseModel):
         description=(
             "how pages are stored: zstd (lossless, byte-shuffled), none, or auto (zstd on CPU "
             "builds; none on GPU builds, where decompressing costs more than the prefill it saves)"
+        ),
+    )
+    codec: PageCodec = Field(
+        "native",
+        description=(
+            "page codec: native (exact pages, the default) or cachegen (experimental, lossy: "
+            "about a fifth of the bytes, but a restore is no longer bit-identical to a cold "
+            "prefill). CacheGen is used only for a model, K/V layout and backend with a passing "
+            "'cachegen' row in the roster (scripts/certify.py --cachegen); elsewhere pages stay "
+            "native (logged once, counted). The codec and its parameters are part of the cache "
+            "identity, so exact and lossy pages never mix"
         ),
     )
     policy: L3Policy = Field(

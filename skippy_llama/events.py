@@ -29,6 +29,9 @@ class CacheEvent:
             before this one could use the working sequence.
         lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
         fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
+        codec: the page codec of the pages an ``l2``/``l3`` hit restored: ``native`` (exact)
+            or ``cachegen/<version>`` (lossy: the restored cells are not bit-identical to a
+            cold prefill's); the cache identity's ``codec_name``.
     """
 
     tier: Tier = "cold"
@@ -45,6 +48,7 @@ class CacheEvent:
     prefill_ms: float = 0.0
     ttft_ms: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
+    codec: str = "native"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -208,6 +208,17 @@ class CacheIdentity:
     #: Runtime parameters that change the bytes (LoRA, kv_overrides, offload, batch split …),
     #: as chosen by ``runtime/identity_params.py``'s table; JSON values only.
     params: Mapping[str, Any] = field(default_factory=dict)
+    #: The lossy page codec and its parameters (``CacheGenParams.identity()``), empty for exact
+    #: pages: an instance that stores exact pages can never address a lossy one. Left out of
+    #: :meth:`fields` when empty, so exact identities are what they always were.
+    codec: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def codec_name(self) -> str:
+        """``native`` for exact pages, else ``<codec>/<version>`` (``cachegen/1``)."""
+        if not self.codec:
+            return "native"
+        return f"{self.codec.get('name')}/{self.codec.get('version')}"
 
     @property
     def durable(self) -> bool:
@@ -236,7 +247,7 @@ class CacheIdentity:
             "state_format": self.state_format,
             "page_format": self.page_format,
             "params": dict(self.params),
-        }
+        } | ({"codec": dict(self.codec)} if self.codec else {})
 
     @property
     def root(self) -> bytes:

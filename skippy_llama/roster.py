@@ -143,14 +143,73 @@ class RosterRow:
 
 
 @dataclass(frozen=True)
+class CacheGenRow:
+    """The ``cachegen`` lane of one (model digest, K/V layout, backend): the cheapest CacheGen
+    parameters that passed the quality gate (``scripts/qualify_cachegen.py``), or None with the
+    measured reason. ``params`` is the codec's own JSON form (``CacheGenParams.identity()``);
+    ``measured`` holds the agreement, max |delta logit|, perplexity rise and size ratio;
+    ``tried`` the cheaper sets that failed, with their measurements."""
+
+    model: str
+    model_digest: str
+    backend: str
+    layout_digest: str
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    params: Mapping[str, Any] | None
+    measured: Mapping[str, float]
+    reason: str = ""
+    tried: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.params is not None
+
+    def matches(self, model_digest: str, backend: str, layout_digest: str) -> bool:
+        return (self.model_digest, self.backend, self.layout_digest) == (
+            model_digest,
+            backend,
+            layout_digest,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "model": self.model,
+            "model_digest": self.model_digest,
+            "backend": self.backend,
+            "layout_digest": self.layout_digest,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "flash_attn": self.flash_attn,
+            "params": dict(self.params) if self.params is not None else None,
+            "measured": dict(self.measured),
+        }
+        if self.reason:
+            doc["reason"] = self.reason
+        if self.tried:
+            doc["tried"] = list(self.tried)
+        return doc
+
+
+@dataclass(frozen=True)
 class Roster:
-    """The recipe certification ran on and the rows it certified."""
+    """The recipe certification ran on, the rows it certified and the CacheGen lane's rows."""
 
     recipe: Recipe
     rows: tuple[RosterRow, ...]
+    cachegen: tuple[CacheGenRow, ...] = ()
 
     def row(self, key: RowKey) -> RosterRow | None:
         return next((row for row in self.rows if row.key == key), None)
+
+    def cachegen_row(
+        self, model_digest: str, backend: str, layout_digest: str
+    ) -> CacheGenRow | None:
+        """The ``cachegen`` row of a model file, backend and K/V layout (None: never qualified)."""
+        return next(
+            (r for r in self.cachegen if r.matches(model_digest, backend, layout_digest)), None
+        )
 
     def to_json(self) -> str:
         doc = {
@@ -170,6 +229,14 @@ class Roster:
                 )
             ],
         }
+        if self.cachegen:
+            doc["cachegen"] = [
+                row.to_json()
+                for row in sorted(
+                    self.cachegen,
+                    key=lambda r: (r.model, r.backend, r.type_k, r.type_v, r.flash_attn),
+                )
+            ]
         return json.dumps(doc, indent=2, sort_keys=False) + "\n"
 
 
@@ -219,7 +286,45 @@ def parse_roster(text: str, where: str = "roster") -> Roster:
                 tuple((lane, str(why)) for lane, why in failed_doc.items()),
             )
         )
-    return Roster(recipe, tuple(rows))
+    cachegen_doc = doc.get("cachegen", [])
+    if not isinstance(cachegen_doc, Sequence) or isinstance(cachegen_doc, str):
+        raise RosterError(f"{where}: cachegen must be a list")
+    cachegen = tuple(
+        _cachegen_row(_mapping(item, f"{where}: cachegen[{i}]"), f"{where}: cachegen[{i}]")
+        for i, item in enumerate(cachegen_doc)
+    )
+    return Roster(recipe, tuple(rows), cachegen)
+
+
+def _cachegen_row(row: Mapping[str, Any], where: str) -> CacheGenRow:
+    flash = row.get("flash_attn")
+    if not isinstance(flash, bool):
+        raise RosterError(f"{where}.flash_attn must be true or false")
+    params = row.get("params")
+    if params is not None and not isinstance(params, Mapping):
+        raise RosterError(f"{where}.params must be an object or null")
+    measured = _mapping(row.get("measured", {}), f"{where}.measured")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in measured.values()):
+        raise RosterError(f"{where}.measured must hold numbers")
+    tried = row.get("tried", [])
+    if not isinstance(tried, list) or not all(isinstance(t, str) for t in tried):
+        raise RosterError(f"{where}.tried must list strings")
+    reason = row.get("reason", "")
+    if not isinstance(reason, str) or (params is None and not reason):
+        raise RosterError(f"{where}: a row without params needs its reason")
+    return CacheGenRow(
+        model=_str(row, "model", where),
+        model_digest=_str(row, "model_digest", where),
+        backend=_str(row, "backend", where),
+        layout_digest=_str(row, "layout_digest", where),
+        type_k=_str(row, "type_k", where),
+        type_v=_str(row, "type_v", where),
+        flash_attn=flash,
+        params=dict(params) if params is not None else None,
+        measured=dict(measured),
+        reason=reason,
+        tried=tuple(tried),
+    )
 
 
 def load_roster(path: Path = ROSTER_PATH) -> Roster | None:

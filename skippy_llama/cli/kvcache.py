@@ -153,9 +153,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     tier = DiskTier(loaded.settings.l3, reconcile=False, close_at_exit=False, read_only=True)
     try:
         status = tier.status()
+        codec = tier.codec_summary()
     finally:
         tier.close()
     report = status_report(loaded, status, tier)
+    report["codec"] = codec
     resolution, package = kv_dtype_from_args(args)
     report["kv_dtype"] = resolution.to_dict()
     if package is not None:
@@ -257,6 +259,16 @@ def format_status(report: dict[str, Any]) -> str:
             f"{act['untrusted_rows']}, damaged manifests {act['damaged_manifests']}, "
             f"damaged costs {act['damaged_costs']}, internal errors {act['internal_errors']}",
         ]
+        codec = report.get("codec")
+        if codec is not None:
+            cact = codec["activity"]
+            stored = ", ".join(f"{n} {c}" for c, n in codec["manifests_by_codec"].items())
+            lines.append(
+                f"page codec: {codec['configured']} (l3.codec); prefixes by codec: "
+                f"{stored or 'none'}; CacheGen pages written {cact['cachegen_pages']}, stored "
+                f"native for want of a qualified codec {cact['codec_unqualified']}, unknown "
+                f"codec (missed) {cact['unknown_codec']}"
+            )
         rec = report["reconciliation"]
         if rec["ran"]:
             lines.append(

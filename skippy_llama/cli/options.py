@@ -69,6 +69,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "builds, none on GPU builds)",
     )
     group.add_argument(
+        "--l3-codec",
+        choices=("native", "cachegen"),
+        default=None,
+        help="page codec: native (exact, the default) or cachegen (experimental, lossy: "
+        "restores are no longer bit-identical to cold; used only where the roster qualifies "
+        "the model and K/V layout)",
+    )
+    group.add_argument(
         "--remote-url",
         metavar="URL",
         default=None,
@@ -118,6 +126,7 @@ _FLAG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("l3_dir", ("l3", "directory")),
     ("l3_minimum_free", ("l3", "minimum_free")),
     ("l3_compression", ("l3", "compression")),
+    ("l3_codec", ("l3", "codec")),
     ("repair_generated", ("l1", "repair_generated")),
     ("remote_url", ("remote", "url")),
     ("remote_secret_file", ("remote", "secret_file")),

@@ -33,8 +33,12 @@ from typing import Any, Literal
 
 import llama_cpp
 
+from ..codecs import select
+from ..codecs.cachegen import CacheGenParams
 from ..config import Settings
+from ..errors import ConfigError, RosterError
 from ..identity import CacheIdentity, ModelIdentity, file_digest, process_digest
+from ..roster import load_roster
 from . import native
 
 log = logging.getLogger("skippy_llama")
@@ -351,6 +355,8 @@ def build_identity(
             llm.model_params.n_gpu_layers,
         )
     params = select_params(live_values(llm, durable=durable, gpu=gpu), conditions)
+    digest = file_digest(llm.model_path) if durable else process_digest()
+    codec = codec_choice(settings, digest, backend, kv_layout) if durable else None
     geometry: dict[str, int | float | str] = {
         "n_layer": int(llama_cpp.llama_model_n_layer(model)),
         "n_embd": int(llama_cpp.llama_model_n_embd(model)),
@@ -359,9 +365,9 @@ def build_identity(
         "n_vocab": int(llm.n_vocab()),
         "n_ctx_train": int(llama_cpp.llama_model_n_ctx_train(model)),
     }
-    return CacheIdentity(
+    identity = CacheIdentity(
         model=ModelIdentity(
-            digest=file_digest(llm.model_path) if durable else process_digest(),
+            digest=digest,
             architecture=str(llm.metadata.get("general.architecture", "unknown")),
             geometry=geometry,
             name=Path(llm.model_path).name,
@@ -386,4 +392,66 @@ def build_identity(
         backend="any" if settings.cross_backend else backend,
         namespace=settings.namespace,
         params=params,
+        codec=codec.identity() if codec is not None else {},
     )
+    select.register(identity.hex, codec)
+    return identity
+
+
+def codec_choice(
+    settings: Settings, model_digest: str, backend: str, kv_layout: Any
+) -> CacheGenParams | None:
+    """The CacheGen parameters L3 stores this model's pages with, or None for native pages.
+
+    Only with ``l3.codec = "cachegen"`` and a passing ``cachegen`` row in the roster for this
+    model file, backend and K/V layout (``scripts/certify.py --cachegen``); otherwise pages stay
+    native, logged once per model and layout (the writer counts them, ``codec_unqualified``).
+    The runtime never guesses parameters.
+
+    Raises:
+        ConfigError: ``l3.codec`` is cachegen but the ``cachegen`` extra is not installed.
+    """
+    if settings.l3.codec != "cachegen":
+        return None
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "invalid setting l3.codec = 'cachegen': the codec needs the cachegen extra "
+            "(pip install 'skippy-llama[cachegen]'); or set l3.codec = 'native'"
+        ) from None
+    layout = kv_layout.digest() if kv_layout is not None else "none"
+    why = f"no cachegen row for model {model_digest}, backend {backend}, layout {layout}"
+    try:
+        roster = load_roster()
+    except RosterError as exc:
+        roster, why = None, f"the roster does not load: {exc}"
+    row = roster.cachegen_row(model_digest, backend, layout) if roster is not None else None
+    params = None
+    if row is not None and row.params is not None:
+        try:
+            params = CacheGenParams.from_identity(dict(row.params))
+        except ValueError as exc:
+            why = f"the roster's cachegen row does not parse: {exc}"
+    elif row is not None:
+        why = f"its cachegen row failed qualification: {row.reason}"
+    if params is None:
+        select.warn_once(
+            f"unqualified:{model_digest}:{backend}:{layout}",
+            "skippy-llama: l3.codec is cachegen, but this model and K/V layout are not qualified "
+            "(%s); storing native pages",
+            why,
+        )
+        return None
+    assert row is not None
+    select.warn_once(
+        f"cachegen:{model_digest}:{backend}:{layout}",
+        "skippy-llama: L3 stores CacheGen pages (%s): lossy, restores are not bit-identical to "
+        "a cold prefill (qualified: %s of prompts gave 64/64 equal greedy tokens, perplexity "
+        "%+.2f%%, size %.3f of native)",
+        params.describe(),
+        row.measured.get("exact_share"),
+        100 * float(row.measured.get("ppl_rise", 0.0)),
+        float(row.measured.get("size_ratio", 0.0)),
+    )
+    return params

@@ -59,6 +59,8 @@ def restore_prefix(
     event.tier = outcome.tier
     event.cached_tokens = n
     event.restored_bytes = outcome.restored_bytes
+    if outcome.fetched:
+        event.codec = llm.cache_identity.codec_name  # one identity, one codec (codecs/select.py)
     if outcome.plan.base_tokens:
         event.l1_tokens = outcome.plan.base_tokens
         event.appended_tokens = outcome.plan.appended_tokens

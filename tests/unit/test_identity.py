@@ -67,6 +67,7 @@ CHANGES = {
     "state_format": 2,
     "page_format": 2,
     "params": {"lora": {"digest": "xxh3:" + "a" * 32, "scale": 1.0}},
+    "codec": {"name": "cachegen", "version": 1, "k_bits": [4, 4, 4], "v_bits": [4, 4, 4]},
 }
 
 

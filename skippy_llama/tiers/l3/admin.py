@@ -28,6 +28,17 @@ from .schema import DATA, MAN, QUAR, RECONCILIATION, Manifest
 from .stats import stored_activity
 from .tree import Tree
 
+#: Counters of the page codec (``recorder.py``, ``reader.py``): CacheGen pages written, pages
+#: stored native although ``l3.codec`` asked for CacheGen, pages of a codec this build does not
+#: read (missed), and the writer's encoding time and input bytes.
+CODEC_COUNTERS = (
+    "cachegen_pages",
+    "codec_unqualified",
+    "unknown_codec",
+    "encode_us",
+    "encoded_bytes",
+)
+
 
 class Admin:
     def __init__(self, parts: Parts, tree: Tree, pins: Pins, evictor: Evictor) -> None:
@@ -128,6 +139,28 @@ class Admin:
                 for model, entry in sorted(inventory.items())
             ),
         )
+
+    def codec_summary(self) -> dict[str, Any]:
+        """The configured page codec, stored manifests per codec, and the codec counters
+        (every process's stored totals plus this process's unflushed counts); reads only."""
+        parts = self.parts
+        counts: Counter[str] = Counter()
+        by_codec: Counter[str] = Counter()
+        if parts.store is not None:
+            try:
+                counts = stored_activity(parts.store)
+                manifests, _ = self.tree.manifests()
+                by_codec = Counter(man.codec for man in manifests)
+            except Exception as exc:
+                parts.health.fault(exc, "status")
+        counts.update(parts.counters.pending())
+        encoded = counts["encoded_bytes"]
+        return {
+            "configured": parts.settings.codec,
+            "manifests_by_codec": dict(sorted(by_codec.items())),
+            "activity": {name: counts[name] for name in CODEC_COUNTERS},
+            "encode_mb_per_s": round(encoded / counts["encode_us"], 1) if encoded else None,
+        }
 
     # ------------------------------------------------------------------ model identities
 

@@ -14,7 +14,9 @@ prefix:
 
 Pages are read into one buffer per calling thread, reused by its next read (a fresh ``bytes``
 object per page costs its page faults, which were most of an L3 restore's read time on the
-H200); what a read returns are views into it.
+H200); what a read returns are views into it. CacheGen pages (lossy, ``codecs/cachegen.py``) are
+decoded, once verified, into a second such buffer, as native page bytes: what follows the read
+cannot tell them from exact pages, and the cache identity keeps the two apart.
 
 Hits are noted in memory per page and stored by the writer thread in batches (:class:`Touches`).
 """
@@ -27,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...codecs import decode
+from ...codecs import cachegen, decode
 from ...errors import StateFormatError, StoreDataError, UnknownCodecError, UntrustedRowError
 from ...hostmem import fit
 from ...parallel import PARALLEL_BYTES, ordered
@@ -43,6 +45,15 @@ class _Located:
     key: bytes
     meta: PageMeta
     row: StoredRow
+
+
+@dataclass(frozen=True)
+class _Lossy:
+    """A verified CacheGen payload, to be decoded into the decode buffer (``size`` bytes)."""
+
+    payload: memoryview
+    size: int
+    n_tokens: int
 
 
 @dataclass(frozen=True)
@@ -96,17 +107,18 @@ class Reader:
         self.touches = Touches()
         self._local = threading.local()  # .buffer: this thread's read buffer
 
-    def _buffer(self, size: int) -> memoryview:
-        """This thread's read buffer, at least ``size`` bytes (replaced, never resized: views
-        handed out earlier keep their memory)."""
-        buf = fit(getattr(self._local, "buffer", None), size)
-        self._local.buffer = buf
+    def _buffer(self, size: int, name: str = "buffer") -> memoryview:
+        """This thread's read (or decode) buffer, at least ``size`` bytes (replaced, never
+        resized: views handed out earlier keep their memory)."""
+        buf = fit(getattr(self._local, name, None), size)
+        setattr(self._local, name, buf)
         return memoryview(buf)
 
     def release(self) -> None:
-        """Drop the calling thread's read buffer (on close: a restored prefix's size of memory
+        """Drop the calling thread's buffers (on close: a restored prefix's size of memory
         would otherwise stay with the tier object)."""
         self._local.buffer = None
+        self._local.decoded = None
 
     def meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
         """(digest, reference count) of a stored page from its metadata alone; None when absent,
@@ -159,7 +171,7 @@ class Reader:
             return None
         return _Located(key, meta, row)
 
-    def _load(self, page: _Located, out: memoryview) -> bytes | memoryview | str:
+    def _load(self, page: _Located, out: memoryview) -> bytes | memoryview | _Lossy | str:
         """Read ``page`` into ``out`` (its ``meta.size`` bytes), verify and decode it: the page,
         or why it cannot be served.
 
@@ -183,14 +195,56 @@ class Reader:
         ):
             return "unauthenticated"
         try:
+            if cachegen.codec_of(payload) is not None:
+                return _Lossy(payload, cachegen.decoded_size(payload, meta.n_tokens), meta.n_tokens)
             return decode(payload, meta.n_tokens)
         except UnknownCodecError:
             return "unknown_codec"
         except StateFormatError:
             return "undecodable"
 
-    def _load_slot(self, slot: tuple[_Located, memoryview]) -> bytes | memoryview | str:
+    def _load_slot(self, slot: tuple[_Located, memoryview]) -> bytes | memoryview | _Lossy | str:
         return self._load(*slot)
+
+    @staticmethod
+    def _decode_slot(slot: tuple[_Lossy, memoryview]) -> memoryview | str:
+        lossy, out = slot
+        try:
+            cachegen.decode_into(lossy.payload, out, lossy.n_tokens)
+        except UnknownCodecError:
+            return "unknown_codec"
+        except StateFormatError:
+            return "undecodable"
+        return out
+
+    def _decode_lossy(
+        self, located: list[_Located], outcomes: list[bytes | memoryview | _Lossy]
+    ) -> tuple[list[bytes | memoryview], str | None]:
+        """The served pages: CacheGen payloads decoded into this thread's decode buffer (in
+        parallel when there are several). Stops at the first page that does not decode, with
+        its reason (handled by the caller like a read failure)."""
+        lossy = [o for o in outcomes if isinstance(o, _Lossy)]
+        if not lossy:
+            return [o for o in outcomes if not isinstance(o, _Lossy)], None
+        buffer = self._buffer(sum(o.size for o in lossy), "decoded")
+        slots: list[tuple[_Lossy, memoryview]] = []
+        for o in lossy:
+            slots.append((o, buffer[: o.size]))
+            buffer = buffer[o.size :]
+        pages: list[bytes | memoryview] = []
+        with contextlib.closing(
+            ordered(self._decode_slot, slots, parallel=len(slots) > 1)
+        ) as decoded:
+            for page, outcome in zip(located, outcomes, strict=False):
+                if isinstance(outcome, _Lossy):
+                    result = next(decoded)
+                    if isinstance(result, str):
+                        self._failed(page.key, result)
+                        return pages, result
+                    pages.append(result)
+                else:
+                    pages.append(outcome)
+        return pages, None
 
     def _failed(self, key: bytes, reason: str) -> None:
         """Count and repair after a page that cannot be served (see the module docstring)."""
@@ -217,7 +271,7 @@ class Reader:
     def read(self, keys: Sequence[bytes]) -> ReadResult:
         """Pages of the longest prefix of ``keys`` that exists and verifies; never raises for
         storage faults (they are counted)."""
-        pages: list[bytes | memoryview] = []
+        outcomes: list[bytes | memoryview | _Lossy] = []
         metas: list[PageMeta] = []
         with self.pins.local(keys):
             located: list[_Located] = []
@@ -247,8 +301,11 @@ class Reader:
                     if isinstance(outcome, str):
                         self._failed(page.key, outcome)
                         break
-                    pages.append(outcome)
+                    outcomes.append(outcome)
                     metas.append(page.meta)
+            pages, failed = self._decode_lossy(located, outcomes)
+            if failed is not None:
+                metas = metas[: len(pages)]
         if pages:
             self.touches.note(keys[: len(pages)], time.time())
         return ReadResult(pages, metas)

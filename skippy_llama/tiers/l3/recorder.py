@@ -7,6 +7,12 @@ in chain order by the store's eviction :class:`~.policy_api.Policy` (a refused p
 record: the pages after it could never be reached). New payloads are written once by content
 (``add`` is atomic: of several processes writing the same page, one wins) while the record's
 pages are pinned, then metadata, child index and manifest land in one transaction.
+
+Pages are encoded here, on the writer thread, never on the request path: with the codec the
+record's identity was registered with (``codecs.select``: CacheGen where the roster qualifies
+the model and layout), else losslessly. ``l3.codec = "cachegen"`` for an identity without a
+qualified codec, or a page CacheGen does not code, stores native and counts
+``codec_unqualified``; ``encode_us`` and ``encoded_bytes`` total the encoding work.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ...admission import AdmissionPolicy
-from ...codecs import encode
+from ...codecs import cachegen, encode, select
 from ..records import PrefixRecord
 from .context import Parts
 from .eviction import Evictor
@@ -53,6 +59,32 @@ class Recorder:
         self.parts.counters.add("dropped_writes")
         for reason in reasons:
             self.parts.counters.add(reason)
+
+    def _encode(self, rec: PrefixRecord, data: bytes) -> bytes:
+        """The stored bytes of one new page (see the module docstring)."""
+        counters = self.parts.counters
+        settings = self.parts.settings
+        started = time.perf_counter()
+        params = select.cachegen_params(rec.cache_identity)
+        out: bytes | None = None
+        if params is not None:
+            try:
+                out = cachegen.encode(data, params)
+                counters.add("cachegen_pages")
+            except cachegen.CodecUnsupportedError as exc:
+                select.warn_once(
+                    f"unsupported:{rec.cache_identity}",
+                    "skippy-llama: CacheGen cannot code these pages (%s); storing them native",
+                    exc,
+                )
+                counters.add("codec_unqualified")
+        elif settings.codec == "cachegen":
+            counters.add("codec_unqualified")
+        if out is None:
+            out = encode(data, settings.compression)
+        counters.add("encode_us", int((time.perf_counter() - started) * 1e6))
+        counters.add("encoded_bytes", len(data))
+        return out
 
     def _admit_record(self, rec: PrefixRecord, size: int) -> bool:
         admission = self.admission
@@ -128,7 +160,7 @@ class Recorder:
             # a page pending in the runtime's capture is cut here, just before it is compressed,
             # so its uncompressed bytes are freed (and their memory reused) page by page
             stored = {
-                page.key: encode(page.data, parts.settings.compression)
+                page.key: self._encode(rec, page.data)
                 for page in rec.pages
                 if page.payload is not None
             }

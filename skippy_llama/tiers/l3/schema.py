@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,7 @@ TAG_BYTES = 16
 NO_TAG = bytes(TAG_BYTES)
 
 MANIFEST_VERSION = 2
+_CODEC_NAME = re.compile(r"native|[a-z][a-z0-9_]{0,31}/[0-9]{1,5}")
 _META_MAGIC = b"PM"
 META_VERSION = 2
 # magic, version, digest, size, n_tokens, flags, depth, parent, created, last_used, hits, tag
@@ -202,6 +204,9 @@ class Manifest:
     created: float
     last_used: float
     tag: bytes = NO_TAG
+    #: the pages' codec: ``native`` (exact; absent from the JSON, so the manifests of earlier
+    #: builds read as they were written) or ``cachegen/<version>`` (lossy)
+    codec: str = "native"
 
     @property
     def keys(self) -> list[bytes]:
@@ -213,7 +218,9 @@ class Manifest:
         return sum(page.size for page in self.pages)
 
     @classmethod
-    def of_record(cls, rec: PrefixRecord, sizes: Iterable[int], now: float) -> Manifest:
+    def of_record(
+        cls, rec: PrefixRecord, sizes: Iterable[int], now: float, *, codec: str = "native"
+    ) -> Manifest:
         pages = tuple(
             ManifestPage(p.key, p.used, size, p.n_tokens)
             for p, size in zip(rec.pages, sizes, strict=True)
@@ -228,6 +235,7 @@ class Manifest:
             pages,
             now,
             now,
+            codec=codec,
         )
 
     def cut(self, n_pages: int) -> Manifest:
@@ -243,7 +251,8 @@ class Manifest:
 
     def body(self) -> dict[str, Any]:
         """The JSON object without the tag (what the tag covers)."""
-        return {
+        extra = {} if self.codec == "native" else {"codec": self.codec}
+        return extra | {
             "v": MANIFEST_VERSION,
             "id": self.id.hex(),
             "cache_identity": self.cache_identity,
@@ -301,6 +310,9 @@ class Manifest:
                 raise StoreDataError(f"manifest page {i} uses {used} of its {n_tokens} tokens")
             pages.append(ManifestPage(key, used, _count(row[2], f"page {i} size", low=1), n_tokens))
         tag = data.get("tag")
+        codec = data.get("codec", "native")
+        if not isinstance(codec, str) or not _CODEC_NAME.fullmatch(codec):
+            raise StoreDataError(f"manifest codec is not a codec name: {codec!r}")
         man = cls(
             id=_key_hex(data.get("id"), "manifest id"),
             cache_identity=_text(data.get("cache_identity"), "cache_identity"),
@@ -312,6 +324,7 @@ class Manifest:
             created=_finite(data.get("created"), "manifest created"),
             last_used=_finite(data.get("last_used"), "manifest last_used"),
             tag=NO_TAG if tag is None else _tag_hex(tag),
+            codec=codec,
         )
         if man.id != mid or man.pages[-1].key != mid:
             raise StoreDataError("manifest stored under another prefix's key")

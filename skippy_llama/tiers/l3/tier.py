@@ -19,6 +19,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ...admission import AdmissionPolicy
 from ...config import L3Settings
@@ -386,6 +387,10 @@ class DiskTier:
         """Effective state, usage, activity (all processes and this one), the latest
         reconciliation, and the inventory per model identity. Writes nothing."""
         return self._admin.status(self._reconciler.result)
+
+    def codec_summary(self) -> dict[str, Any]:
+        """The page codec: configured, stored manifests per codec, codec counters (``admin``)."""
+        return self._admin.codec_summary()
 
     def model_identities(self) -> dict[str, str]:
         """Model identities that have manifests in the store, with their model names."""

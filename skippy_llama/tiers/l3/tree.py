@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import xxhash
 
+from ...codecs import stored_codec
 from ...errors import ManifestError, StoreDataError
 from ..records import PrefixRecord
 from .context import Parts
@@ -174,7 +175,10 @@ class Tree:
                 old = self.manifest(mid)
             except StoreDataError:
                 old = None  # damaged: the fresh one replaces it
-            man = Manifest.of_record(rec, sizes, now)
+            # every page under one identity has the identity's codec: the last page (always
+            # new) names it
+            codec = stored_codec(stored[rec.pages[-1].key])
+            man = Manifest.of_record(rec, sizes, now, codec=codec)
             if old is not None:
                 man = replace(man, created=old.created)
             store.set(MAN + mid, self.sign(man).pack())
