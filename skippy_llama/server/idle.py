@@ -22,9 +22,12 @@ from llama_cpp.server.app import get_llama_proxy, llama_inner_lock, llama_outer_
 from .state import ServingState
 
 
-def _busy() -> bool:
-    """A request holds the model or waits for it (upstream's double lock)."""
-    return llama_outer_lock.locked() or llama_inner_lock.locked()
+def _busy(state: ServingState) -> bool:
+    """A request holds the model or waits for it: upstream's double lock, or a request admitted
+    to the queue that has not reached the lock yet (its body still being read)."""
+    return (
+        llama_outer_lock.locked() or llama_inner_lock.locked() or state.queue.status().inflight > 0
+    )
 
 
 async def prepare_when_idle(state: ServingState, after: float) -> None:
@@ -34,11 +37,13 @@ async def prepare_when_idle(state: ServingState, after: float) -> None:
     while True:
         await anyio.sleep(after / 2)
         finished = state.requests_finished
-        if finished == prepared or _busy():
+        if finished == prepared or _busy(state):
             continue
         if time.monotonic() - state.last_activity < after:
             continue
         async with contextlib.asynccontextmanager(get_llama_proxy)():
+            if state.queue.status().inflight > 0:
+                continue  # a request came while this waited for the lock: it goes first
             llm = state.model()
             if llm is not None:
                 # fail-open inside: a failed repair is counted and the reply is prefilled later
