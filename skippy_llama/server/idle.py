@@ -9,6 +9,13 @@ through llama_cpp.server's own lock, re-decodes the reply as one batch and check
 (so the next user's request need not checkpoint it before restoring its own). A request that
 arrives meanwhile waits for that batch and checkpoint at most; where requests follow each other
 without a gap (a benchmark, a batch client), the gap never opens and nothing runs.
+
+Except that on a loaded machine a client's turnaround can exceed ``after``: profiled with py-spy
+(issue 34: 4 users x 3 turns back to back on 2 cores at load 6-8), the idle work ran between
+back-to-back turns and took 49 of 1,961 model-thread samples (repair 40, checkpoint 9), which
+the next request waited for; decoding took 94 %. It now also waits while any request is admitted
+to the queue (:mod:`.queue`), which counts a request from its arrival, before it reaches the
+model lock, and gives up the lock it won if one was admitted meanwhile.
 """
 
 from __future__ import annotations

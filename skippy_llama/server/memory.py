@@ -34,10 +34,10 @@ DEFAULT_BUDGET = 2 * GiB
 #: The budget never takes more than this share of the memory free at start-up (MemAvailable).
 AVAILABLE_SHARE = 0.5
 #: Resident prefixes at most: 63 spare sequence ids keep ``n_seq_max`` at 64 (the runtime rounds
-#: 1 + slots up to a power of two). llama.cpp allows 256 (``LLAMA_MAX_SEQ``) and ``l1.max_prefixes``
-#: 64; every id reserves a logits row in the output buffer (n_vocab x 4 bytes: 12 MiB for
-#: SmolLM2's 64), and a prefill took the same time with 8 to 256 ids (``benchmarks/README.md``,
-#: "Serving defaults").
+#: 1 + slots up to a power of two; llama.cpp allows 256, ``LLAMA_MAX_SEQ``, and
+#: ``l1.max_prefixes`` 64). An unused id costs a logits row in llama.cpp's output buffer
+#: (n_vocab x 4 bytes: 12 MiB for SmolLM2's 64) and no K/V; whether 64 ids slow a prefill against
+#: 16 is measured in ``benchmarks/README.md`` ("Serving defaults", ``probe_seq_max.py``).
 SLOT_CAP = 63
 #: At least as many slots as ``serve`` kept before it had a budget.
 SLOT_FLOOR = 16

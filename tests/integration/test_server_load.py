@@ -8,18 +8,22 @@ asserts a duration.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import llama_cpp
 import pytest
 from modelhelpers import TEXT
 from serverproc import THREADS, ServerProcess
+
+from skippy_llama.server.routes import _NOT_MODEL_ARGS, CompletionBody
 
 pytestmark = pytest.mark.model
 
@@ -37,7 +41,8 @@ def _prompt(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def cold_answers(smollm2_path: Path) -> list[str]:
-    """Each prompt answered by plain ``llama_cpp.Llama``, one at a time, nothing cached."""
+    """Each prompt answered by plain ``llama_cpp.Llama`` with the kwargs the server passes, one
+    at a time, nothing cached."""
     llm = llama_cpp.Llama(
         str(smollm2_path), n_ctx=N_CTX, n_threads=THREADS, n_threads_batch=THREADS,
         seed=llama_cpp.LLAMA_DEFAULT_SEED, verbose=False,
@@ -46,7 +51,9 @@ def cold_answers(smollm2_path: Path) -> list[str]:
         answers = []
         for i in range(PROMPTS):
             llm.reset()
-            out = llm.create_completion(_prompt(i), max_tokens=MAX_TOKENS, temperature=0)
+            # the server's request defaults (llama_cpp.server's repeat_penalty among them)
+            request = CompletionBody(prompt=_prompt(i), max_tokens=MAX_TOKENS, temperature=0)
+            out = llm.create_completion(**request.model_dump(exclude=_NOT_MODEL_ARGS))
             answers.append(out["choices"][0]["text"])
         return answers
     finally:
@@ -66,20 +73,42 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         proc.stop()
 
 
+def _get(server: ServerProcess, path: str) -> Any:
+    with urllib.request.urlopen(server.base + path, timeout=60) as r:
+        return json.loads(r.read())
+
+
 def _status(server: ServerProcess) -> dict[str, Any]:
-    return httpx.get(server.base + "/v1/kv-cache/status", timeout=60).json()
+    return _get(server, "/v1/kv-cache/status")  # type: ignore[no-any-return]
 
 
-def _stream(client: httpx.Client, server: ServerProcess, prompt: str, max_tokens: int) -> Any:
+@contextlib.contextmanager
+def _stream(server: ServerProcess, prompt: str, max_tokens: int) -> Iterator[Any]:
+    """A streamed completion's response (status, headers, SSE lines); closing the connection
+    on exit is the client going away."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    return client.stream("POST", server.base + "/v1/completions", json=body, timeout=600)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        yield conn.getresponse()
+    finally:
+        conn.close()
 
 
-def _read_text(response: httpx.Response) -> str:
+def _lines(response: Any) -> Iterator[str]:
+    for raw in iter(response.readline, b""):
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            yield line
+
+
+def _read_text(response: Any) -> str:
     text = ""
-    for line in response.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
+    for line in _lines(response):
+        if line == "data: [DONE]":
+            break
         chunk = json.loads(line.removeprefix("data: "))
         text += chunk["choices"][0]["text"] if chunk["choices"] else ""
     return text
@@ -95,35 +124,33 @@ def test_32_streams_get_an_answer_or_a_prompt_503_and_never_another_requests_tok
 
     def client(k: int) -> None:
         mine = results[k]
-        with httpx.Client() as http:
-            go.wait(timeout=600)
-            for _ in range(3):  # bounded: an answer, or up to three 503s
-                with _stream(http, server, _prompt(k % PROMPTS), MAX_TOKENS) as response:
-                    if response.status_code == 503:
-                        response.read()
-                        mine["busy"].append(response.headers.get("retry-after"))
-                        time.sleep(min(int(response.headers.get("retry-after", "1")), 2))
-                        continue
-                    if response.status_code != 200:
-                        mine["other"].append(response.status_code)
-                        return
-                    mine["answers"].append(_read_text(response))
+        go.wait(timeout=600)
+        for _ in range(3):  # bounded: an answer, or up to three 503s
+            with _stream(server, _prompt(k % PROMPTS), MAX_TOKENS) as response:
+                if response.status == 503:
+                    response.read()
+                    retry = response.getheader("Retry-After")
+                    mine["busy"].append(retry)
+                    time.sleep(min(int(retry or "1"), 2))
+                    continue
+                if response.status != 200:
+                    mine["other"].append(response.status)
                     return
+                mine["answers"].append(_read_text(response))
+                return
 
     # one long stream holds the model while the 32 arrive, so the queue surely fills
-    with httpx.Client() as blocker_http, _stream(blocker_http, server, _prompt(99), 160) as blocker:
-        assert blocker.status_code == 200
-        lines = blocker.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))  # it holds the model
+    with _stream(server, _prompt(99), 160) as blocker:
+        assert blocker.status == 200
+        lines = _lines(blocker)
+        assert next(lines)  # its first chunk: it holds the model
         threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
         for t in threads:
             t.start()
         go.set()
-        # before the blocker is read further, every client has an answer (queued ones) or a 503:
-        # wait (bounded) until each has a first outcome or is queued behind the blocker
+        # bounded wait until the line has filled and refused the rest
         for _ in range(600):
-            line = _status(server)["server"]["queue"]
-            if line["rejected"] >= CLIENTS - MAX_QUEUE:
+            if _status(server)["server"]["queue"]["rejected"] >= CLIENTS - MAX_QUEUE:
                 break
             time.sleep(0.1)
         for _ in lines:  # drain the blocker
@@ -158,19 +185,16 @@ def test_32_streams_get_an_answer_or_a_prompt_503_and_never_another_requests_tok
 def test_a_client_that_disconnects_mid_stream_frees_the_model(
     server: ServerProcess, cold_answers: list[str]
 ) -> None:
-    before = httpx.get(server.base + "/status.json", timeout=60).json()["totals"]["requests"]
-    with httpx.Client() as http, _stream(http, server, _prompt(1) + " Tell more.", 1500) as gone:
-        assert gone.status_code == 200
-        seen = 0
-        for line in gone.iter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 2:
-                break  # the client goes away after two chunks of up to 1,500
+    before = _get(server, "/status.json")["totals"]["requests"]
+    with _stream(server, _prompt(1) + " Tell more.", 1500) as gone:
+        assert gone.status == 200
+        lines = _lines(gone)
+        next(lines), next(lines)  # the client goes away after two chunks of up to 1,500
     # bounded wait for the server to notice: the request ends as cancelled, far short of its
     # 1,500 tokens, and its queue place is free
     record = None
     for _ in range(600):
-        page = httpx.get(server.base + "/status.json", timeout=60).json()
+        page = _get(server, "/status.json")
         if (
             page["totals"]["requests"] > before
             and page["server"]["queue"]["running_or_waiting"] == 0
@@ -182,6 +206,6 @@ def test_a_client_that_disconnects_mid_stream_frees_the_model(
     assert record["outcome"] == "cancelled"
     assert record["completion_tokens"] < 1500
     # the model serves the next request as a cold run would
-    with httpx.Client() as http, _stream(http, server, _prompt(2), MAX_TOKENS) as response:
-        assert response.status_code == 200
+    with _stream(server, _prompt(2), MAX_TOKENS) as response:
+        assert response.status == 200
         assert _read_text(response) == cold_answers[2]
