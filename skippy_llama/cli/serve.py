@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import LoadedSettings
 from ..errors import ConfigError
 from ..models import resolve_model_path
+from ..sizes import parse_size
 from .options import (
     add_kv_dtype_arguments,
     add_settings_arguments,
@@ -17,7 +18,12 @@ from .options import (
     settings_from_args,
 )
 
+if TYPE_CHECKING:
+    from ..server.memory import MemoryPlan
+
 SERVER_EXTRA_HINT = "pip install 'skippy-llama[server]'"
+#: ``--max-queue`` unless given: 32 streaming clients at once all get an answer.
+DEFAULT_MAX_QUEUE = 32
 
 
 def register(sub: Any) -> None:
@@ -76,6 +82,29 @@ def register(sub: Any) -> None:
         ),
     )
     parser.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        default=None,
+        help=(
+            "host memory for resident prefixes, so that many conversations stay restorable "
+            "(IEC size, e.g. 512MiB or 8GiB; default 2GiB, as llama_cpp.server's RAM cache; "
+            "never more than half the memory available at start-up). Sizes l1.budget_tokens "
+            "and l1.max_prefixes unless those are set; the start-up log says how many "
+            "conversations of n_ctx tokens it holds"
+        ),
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_QUEUE,
+        help=(
+            "requests that may wait for the model while one runs; one more is answered at once "
+            "with 503 and a Retry-After header (0: only the running one; default "
+            f"{DEFAULT_MAX_QUEUE})"
+        ),
+    )
+    parser.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="info",
@@ -91,29 +120,49 @@ def register(sub: Any) -> None:
 #:
 #: * ``max_prefixes`` 16: one resident prefix per conversation served in turn (the library's 4
 #:   made a fifth interleaved user evict the first: TTFT p50 0.96x against 0.34x the best
-#:   llama_cpp.server with 8); their memory stays bounded by ``l1.budget_tokens``;
+#:   llama_cpp.server with 8); with a memory budget (:mod:`skippy_llama.server.memory`, the
+#:   default) the budget sizes it, 16 at least;
 #: * ``repair_generated`` ``never``: a chat that is left is parked without its reply, which its
 #:   next turn decodes inside its own prefill, instead of re-decoding the reply on the next
 #:   user's request (TTFT p50 0.19 s against 0.25 s, total 23 s against 28 s, outputs equal).
 SERVE_L1_DEFAULTS: dict[str, Any] = {"max_prefixes": 16, "repair_generated": "never"}
 
 
-def serving_defaults(loaded: LoadedSettings) -> LoadedSettings:
-    """The settings a server runs with: :data:`SERVE_L1_DEFAULTS` where nothing set them."""
+def serving_defaults(loaded: LoadedSettings, memory: MemoryPlan | None = None) -> LoadedSettings:
+    """The settings a server runs with: :data:`SERVE_L1_DEFAULTS`, and with ``memory`` its
+    ``budget_tokens`` and ``max_prefixes``, where nothing set them."""
+    defaults = dict(SERVE_L1_DEFAULTS)
+    if memory is not None:
+        defaults.update(budget_tokens=memory.budget_tokens, max_prefixes=memory.max_prefixes)
     unset = {
         name: value
-        for name, value in SERVE_L1_DEFAULTS.items()
+        for name, value in defaults.items()
         if loaded.sources.get(f"l1.{name}", "default") == "default"
     }
     if not unset:
         return loaded
     settings = loaded.settings
     l1 = settings.l1.model_copy(update=unset)
+    source = "serve default" if memory is None else f"serve default ({memory.source} budget)"
+    sources = {f"l1.{name}": "serve default" for name in unset}
+    for name in ("budget_tokens", "max_prefixes"):
+        if name in unset and memory is not None:
+            sources[f"l1.{name}"] = source
     return dataclasses.replace(
         loaded,
         settings=settings.model_copy(update={"l1": l1}),
-        sources={**loaded.sources, **{f"l1.{name}": "serve default" for name in unset}},
+        sources={**loaded.sources, **sources},
     )
+
+
+def memory_budget_arg(text: str | None) -> int | None:
+    """``--memory-budget`` in bytes (None: the default), or a ConfigError naming the flag."""
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"--memory-budget {text!r}: {exc}") from None
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -127,7 +176,13 @@ def handle(args: argparse.Namespace) -> int:
         )
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is blank; give a key or leave the flag out")
-    loaded = serving_defaults(settings_from_args(args))
+    if args.max_queue < 0:
+        raise ConfigError(
+            f"--max-queue {args.max_queue} is negative; give how many requests may wait, "
+            "e.g. 32, or 0 for none"
+        )
+    budget = memory_budget_arg(args.memory_budget)
+    cache_settings = settings_from_args(args)
     resolution, package = kv_dtype_from_args(args)
     if package is not None and args.model:
         raise ConfigError("give --model or --package, not both")
@@ -137,11 +192,34 @@ def handle(args: argparse.Namespace) -> int:
         from llama_cpp.server.settings import ModelSettings, ServerSettings
 
         from ..server import ModelSource, ServeConfig, create_app
+        from ..server.memory import available_memory, kv_bytes_per_token, plan_memory
     except ImportError as exc:
         raise ConfigError(
             f"skippy-llama serve needs the server extra ({exc.name} is missing): "
             f"{SERVER_EXTRA_HINT}"
         ) from None
+    per_token = kv_bytes_per_token(str(path), resolution.ggml_type_k, resolution.ggml_type_v)
+    memory = None
+    if per_token is not None:
+        memory = plan_memory(
+            budget,
+            kv_bytes_per_token=per_token,
+            n_ctx=args.n_ctx,
+            page_tokens=cache_settings.settings.page_tokens,
+            available=available_memory(),
+        )
+    loaded = serving_defaults(cache_settings, memory)
+    l1 = loaded.settings.l1
+    if memory is not None:
+        memory = memory.resolved(l1.budget_tokens or args.n_ctx, l1.max_prefixes)
+        note = memory.describe()
+    else:
+        note = (
+            "the model's metadata does not give its K/V bytes per token, so --memory-budget "
+            f"cannot size L1: {l1.max_prefixes} resident prefixes, "
+            f"{l1.budget_tokens or args.n_ctx} tokens in all"
+        )
+    print(f"skippy-llama serve: {note}", file=sys.stderr, flush=True)
     model: dict[str, Any] = {
         "model": str(path),
         "model_alias": args.model_alias or path.name.removesuffix(".gguf"),
@@ -160,6 +238,8 @@ def handle(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, api_key=args.api_key, interrupt_requests=False
         ),
         idle_repair_after=args.idle_repair_after or None,
+        memory=memory,
+        max_queue=args.max_queue,
     )
     app = create_app(config)
     print(

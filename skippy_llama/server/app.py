@@ -24,7 +24,9 @@ from starlette_context.plugins.request_id import RequestIdPlugin
 from .. import __version__
 from ..config import LoadedSettings
 from .idle import prepare_when_idle
+from .memory import MemoryPlan
 from .proxy import ModelSource, SkippyLlamaProxy
+from .queue import RequestQueue
 from .routes import router
 from .state import ServingState
 from .worker import ModelThread
@@ -41,6 +43,10 @@ class ServeConfig:
     #: seconds of no requests after which the last reply is re-decoded for its chat's next
     #: turn (:mod:`.idle`); None: never
     idle_repair_after: float | None
+    #: what ``--memory-budget`` sized L1 to (None: the model's metadata did not say)
+    memory: MemoryPlan | None = None
+    #: requests that may wait for the model while one runs (``--max-queue``)
+    max_queue: int = 32
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -62,7 +68,13 @@ def create_app(config: ServeConfig) -> FastAPI:
     upstream._llama_proxy = proxy
     alias = config.model.model_alias or config.model.model
     state = ServingState(
-        proxy=proxy, worker=worker, cache=config.cache, server=config.server, model_alias=alias
+        proxy=proxy,
+        worker=worker,
+        cache=config.cache,
+        server=config.server,
+        model_alias=alias,
+        memory=config.memory,
+        queue=RequestQueue(config.max_queue),
     )
 
     @contextlib.asynccontextmanager

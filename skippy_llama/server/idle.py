@@ -9,6 +9,13 @@ through llama_cpp.server's own lock, re-decodes the reply as one batch and check
 (so the next user's request need not checkpoint it before restoring its own). A request that
 arrives meanwhile waits for that batch and checkpoint at most; where requests follow each other
 without a gap (a benchmark, a batch client), the gap never opens and nothing runs.
+
+Except that on a loaded machine a client's turnaround can exceed ``after``: profiled with py-spy
+(issue 34: 4 users x 3 turns back to back on 2 cores at load 6-8), the idle work ran between
+back-to-back turns and took 49 of 1,961 model-thread samples (repair 40, checkpoint 9), which
+the next request waited for; decoding took 94 %. It now also waits while any request is admitted
+to the queue (:mod:`.queue`), which counts a request from its arrival, before it reaches the
+model lock, and gives up the lock it won if one was admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ from llama_cpp.server.app import get_llama_proxy, llama_inner_lock, llama_outer_
 from .state import ServingState
 
 
-def _busy() -> bool:
-    """A request holds the model or waits for it (upstream's double lock)."""
-    return llama_outer_lock.locked() or llama_inner_lock.locked()
+def _busy(state: ServingState) -> bool:
+    """A request holds the model or waits for it: upstream's double lock, or a request admitted
+    to the queue that has not reached the lock yet (its body still being read)."""
+    return (
+        llama_outer_lock.locked() or llama_inner_lock.locked() or state.queue.status().inflight > 0
+    )
 
 
 async def prepare_when_idle(state: ServingState, after: float) -> None:
@@ -34,11 +44,13 @@ async def prepare_when_idle(state: ServingState, after: float) -> None:
     while True:
         await anyio.sleep(after / 2)
         finished = state.requests_finished
-        if finished == prepared or _busy():
+        if finished == prepared or _busy(state):
             continue
         if time.monotonic() - state.last_activity < after:
             continue
         async with contextlib.asynccontextmanager(get_llama_proxy)():
+            if state.queue.status().inflight > 0:
+                continue  # a request came while this waited for the lock: it goes first
             llm = state.model()
             if llm is not None:
                 # fail-open inside: a failed repair is counted and the reply is prefilled later

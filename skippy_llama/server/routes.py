@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -24,7 +25,6 @@ from fastapi.security import HTTPAuthorizationCredentials
 from llama_cpp.server.app import (
     authenticate,
     bearer_scheme,
-    get_event_publisher,
     get_llama_proxy,
     prepare_request_resources,
 )
@@ -33,6 +33,7 @@ from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletion
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import SkippyError
@@ -42,7 +43,9 @@ from ..tiers.l3.report import status_report
 from ..tiers.l3.tier import DiskTier
 from .page import index_html
 from .proxy import ServedLlama
+from .queue import Ticket
 from .state import ServingState
+from .worker import close_on_thread, step
 
 router = APIRouter(route_class=RouteErrorHandler)
 
@@ -131,15 +134,68 @@ def _relay(
         }
 
 
-def _stream_call(state: ServingState, endpoint: str, include_usage: bool) -> Any:
-    def call(llm: Any, **kwargs: Any) -> Iterator[Any]:
-        assert isinstance(llm, ServedLlama)
-        llm.last_cache_event = None
-        method = llm.create_completion if endpoint == "completions" else llm.create_chat_completion
-        chunks = state.worker.iterate(state.worker.call(method, **kwargs))
-        return _relay(state, llm, endpoint, chunks, include_usage)
+def _open_stream(
+    state: ServingState, llm: ServedLlama, endpoint: str, kwargs: dict[str, Any], include: bool
+) -> Iterator[Any]:
+    """The request's chunks (called on the model thread: the call may already prefill)."""
+    llm.last_cache_event = None
+    method = llm.create_completion if endpoint == "completions" else llm.create_chat_completion
+    return _relay(state, llm, endpoint, method(**kwargs), include)
 
-    return call
+
+async def _publish(
+    request: Request,
+    send_chan: Any,
+    body: CompletionBody | ChatBody,
+    kwargs: dict[str, Any],
+    endpoint: str,
+    include_usage: bool,
+    ticket: Ticket,
+) -> None:
+    """Stream one request's chunks into ``send_chan``: llama_cpp.server's event publisher, with
+    every model step on the model thread and the stream closed there when it ends.
+
+    A client that goes away cancels this task (sse-starlette watches the connection): the
+    token being decoded finishes, the generator is closed on the model thread (the model parks
+    and records the prefix), and the model lock and the queue place are given back at once.
+    """
+    state = serving(request)
+    try:
+        async with contextlib.asynccontextmanager(get_llama_proxy)() as proxy, send_chan:
+            llm = prepare_request_resources(body, proxy, body.model, kwargs)
+            assert isinstance(llm, ServedLlama)
+            held = time.perf_counter()
+            chunks = await state.worker.run(
+                _open_stream, state, llm, endpoint, kwargs, include_usage
+            )
+            try:
+                while True:
+                    done, chunk = await state.worker.run(step, chunks)
+                    if done:
+                        break
+                    await send_chan.send({"data": json.dumps(chunk)})
+                await send_chan.send({"data": "[DONE]"})
+            finally:
+                # shielded inside run(): done also when this task is being cancelled
+                await state.worker.run(close_on_thread, chunks)
+                state.queue.observe(time.perf_counter() - held)
+    finally:
+        ticket.release()
+
+
+def _busy_response(state: ServingState) -> JSONResponse:
+    """503 with Retry-After, in OpenAI's error shape (its clients retry after that long)."""
+    seconds = state.queue.retry_after()
+    line = state.queue.status()
+    message = (
+        f"the server is busy: {line.inflight} requests are running or waiting for the model "
+        f"(--max-queue {line.max_queue}); retry after {seconds} s"
+    )
+    return JSONResponse(
+        {"error": {"message": message, "type": "server_busy", "param": None, "code": None}},
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": str(seconds)},
+    )
 
 
 async def _serve(
@@ -147,6 +203,9 @@ async def _serve(
 ) -> Any:
     state = serving(request)
     state.last_activity = time.monotonic()
+    ticket = state.queue.enter()
+    if ticket is None:
+        return _busy_response(state)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         send_chan, recv_chan = anyio.create_memory_object_stream[Any](10)
@@ -155,23 +214,26 @@ async def _serve(
         return EventSourceResponse(
             recv_chan,
             data_sender_callable=partial(
-                get_event_publisher,
-                request=request,
-                inner_send_chan=send_chan,
-                body=body,
-                body_model=body.model,
-                llama_call=_stream_call(state, endpoint, include),
-                kwargs=kwargs,
+                _publish, request, send_chan, body, kwargs, endpoint, include, ticket
             ),
             sep="\n",
             ping_message_factory=pings,
+            # the place goes back even if the stream never started (a ticket is released once)
+            background=BackgroundTask(ticket.release),
         )
-    async with contextlib.asynccontextmanager(get_llama_proxy)() as proxy:
-        llm = prepare_request_resources(body, proxy, body.model, kwargs)
-        assert isinstance(llm, ServedLlama)
-        if await request.is_disconnected():
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, detail="Client closed request")
-        return await state.worker.run(_run, state, llm, endpoint, kwargs)
+    try:
+        async with contextlib.asynccontextmanager(get_llama_proxy)() as proxy:
+            llm = prepare_request_resources(body, proxy, body.model, kwargs)
+            assert isinstance(llm, ServedLlama)
+            if await request.is_disconnected():
+                raise HTTPException(status.HTTP_400_BAD_REQUEST, detail="Client closed request")
+            held = time.perf_counter()
+            try:
+                return await state.worker.run(_run, state, llm, endpoint, kwargs)
+            finally:
+                state.queue.observe(time.perf_counter() - held)
+    finally:
+        ticket.release()
 
 
 @router.post("/v1/completions", summary="Completion", dependencies=[Depends(authenticate)])

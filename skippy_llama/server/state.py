@@ -12,8 +12,10 @@ from llama_cpp.server.settings import ServerSettings
 from ..config import LoadedSettings
 from ..tiers.disk import DiskTier
 from .history import RequestHistory
+from .memory import MemoryPlan
 from .metrics import ServerMetrics, record_from_event
 from .proxy import ServedLlama, SkippyLlamaProxy
+from .queue import RequestQueue
 from .snapshot import SnapshotCache
 from .worker import ModelThread
 
@@ -28,6 +30,10 @@ class ServingState:
     cache: LoadedSettings
     server: ServerSettings
     model_alias: str
+    #: what ``--memory-budget`` sized L1 to (None: not sized from a budget)
+    memory: MemoryPlan | None = None
+    #: the bounded line in front of the model (``--max-queue``)
+    queue: RequestQueue = field(default_factory=lambda: RequestQueue(32))
     started_at: float = field(default_factory=time.time)
     history: RequestHistory = field(default_factory=RequestHistory)
     closed: bool = False
@@ -84,4 +90,6 @@ class ServingState:
             "model": self.model_alias,
             "model_path": llm.model_path if llm is not None else None,
             "started_at": self.started_at,
+            "memory": self.memory.to_json() if self.memory is not None else None,
+            "queue": self.queue.status().to_json(),
         }

@@ -25,7 +25,7 @@ import anyio
 T = TypeVar("T")
 
 
-def _step(chunks: Iterator[T]) -> tuple[bool, T | None]:
+def step(chunks: Iterator[T]) -> tuple[bool, T | None]:
     # StopIteration cannot cross a Future (it would end the caller's generator as RuntimeError)
     try:
         return False, next(chunks)
@@ -33,7 +33,7 @@ def _step(chunks: Iterator[T]) -> tuple[bool, T | None]:
         return True, None
 
 
-def _close(chunks: Iterator[Any]) -> None:
+def close_on_thread(chunks: Iterator[Any]) -> None:
     close = getattr(chunks, "close", None)
     if close is not None:
         close()
@@ -76,12 +76,12 @@ class ModelThread:
         """``chunks``, each ``next`` (and the final ``close``) run on the model thread."""
         try:
             while True:
-                done, chunk = self.call(_step, chunks)
+                done, chunk = self.call(step, chunks)
                 if done:
                     return
                 yield chunk  # type: ignore[misc]
         finally:
-            self.call(_close, chunks)
+            self.call(close_on_thread, chunks)
 
     def shutdown(self) -> None:
         """Finish queued calls and stop the thread."""

@@ -283,12 +283,21 @@ def test_kv_cache_status_is_the_cli_status_plus_l1_l2(server: ServerProcess, l3_
     )  # fmt: skip
     want = json.loads(cli.stdout)
     assert set(want) <= set(status)
-    # the same settings, but for the server's own default of resident prefixes
+    # the same settings, but for the server's own L1: sized by its memory budget (2GiB unless
+    # capped by the memory available)
+    memory = status["server"]["memory"]
+    sized = "serve default (default budget)"
     served = want["configured"] | {
-        f"l1.{name}": {"value": value, "source": "serve default"}
-        for name, value in SERVE_L1_DEFAULTS.items()
-    }
+        "l1.repair_generated": {"value": SERVE_L1_DEFAULTS["repair_generated"],
+                                "source": "serve default"},
+        "l1.budget_tokens": {"value": memory["budget_tokens"], "source": sized},
+        "l1.max_prefixes": {"value": memory["max_prefixes"], "source": sized},
+    }  # fmt: skip
     assert status["configured"] == served
+    assert memory["source"] == "default" and memory["requested_bytes"] == 2 << 30
+    assert memory["budget_tokens"] * memory["kv_bytes_per_token"] <= memory["budget_bytes"]
+    assert memory["kv_bytes_per_token"] == 23_040  # SmolLM2: 30 layers x 3 KV heads x 2 x 64 x 2
+    assert status["l1"]["budget_tokens"] == memory["budget_tokens"] > 4096  # more than n_ctx
     assert status["effective"]["state"] == "active"
     assert status["effective"]["directory"] == want["effective"]["directory"]
     assert status["l1"]["enabled"] and status["l1"]["prefixes"] >= 1

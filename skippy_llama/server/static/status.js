@@ -86,6 +86,11 @@
     const ttft = median(d.recent.filter((r) => r.outcome === "ok").map((r) => r.ttft_ms));
     $("ttft-p50").textContent = ttft === null ? "–" : ttft.toFixed(1) + " ms";
     $("prepared").textContent = String(d.counters.turns_prepared || 0);
+    const mem = d.server.memory, q = d.server.queue;
+    $("memory").textContent = mem
+      ? size(mem.budget_bytes) + (mem.capped ? " (capped)" : "") + " ≈ " + mem.conversations + " conversations of " + mem.n_ctx + " tokens"
+      : "not sized";
+    $("queue").textContent = q ? q.running_or_waiting + " / " + (q.max_queue + 1) + " (" + q.rejected + " refused)" : "–";
     const l1 = d.l1, l2 = d.l2, l3 = d.l3;
     fill("tiers", [
       (tr) => { cell(tr, "L1 resident"); cell(tr, l1.enabled ? "on" : "off");
