@@ -153,11 +153,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     tier = DiskTier(loaded.settings.l3, reconcile=False, close_at_exit=False, read_only=True)
     try:
         status = tier.status()
-        codec = tier.codec_summary()
+        report = status_report(loaded, status, tier)
     finally:
         tier.close()
-    report = status_report(loaded, status, tier)
-    report["codec"] = codec
     resolution, package = kv_dtype_from_args(args)
     report["kv_dtype"] = resolution.to_dict()
     if package is not None:

@@ -27,7 +27,7 @@ def configured(loaded: LoadedSettings) -> dict[str, dict[str, Any]]:
 
 def status_report(loaded: LoadedSettings, status: DiskStatus, tier: DiskTier) -> dict[str, Any]:
     """The ``status --json`` object: configured, effective, usage, activity, reconciliation,
-    inventory (plus this process's activity, empty for the CLI)."""
+    inventory, the page codec (plus this process's activity, empty for the CLI)."""
     body = status.to_json()
     body["effective"]["mode"] = loaded.settings.l3.mode
     if tier.error:
@@ -36,4 +36,5 @@ def status_report(loaded: LoadedSettings, status: DiskStatus, tier: DiskTier) ->
         "configured": configured(loaded),
         "config_file": str(loaded.config_file) if loaded.config_file else None,
         **body,
+        "codec": tier.codec_summary(),
     }
