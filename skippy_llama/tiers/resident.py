@@ -123,13 +123,6 @@ class ResidentIndex:
                 best = ResidentMatch(seq_id, n)
         return best
 
-    def lookup(self, root: bytes, tokens: Tokens, limit: int) -> ResidentMatch | None:
-        """:meth:`match`, and the entry found becomes the most recently used."""
-        best = self.match(root, tokens, limit)
-        if best is not None:
-            self.touch(best.seq_id)
-        return best
-
     def touch(self, seq_id: int) -> None:
         """``seq_id`` served a request: it becomes the most recently used."""
         if seq_id in self._entries:

@@ -30,14 +30,14 @@ def test_lookup_extends_past_the_last_full_page() -> None:
     index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=16)
     seq = _park(index, toks(range(100)))
     prompt = toks(range(70), range(500, 520))
-    hit = index.lookup(ROOT, prompt, len(prompt) - 1)
+    hit = index.match(ROOT, prompt, len(prompt) - 1)
     assert hit is not None and hit.seq_id == seq and hit.n_tokens == 70
 
 
 def test_lookup_never_exceeds_limit() -> None:
     index = ResidentIndex([1], budget_tokens=1000, page_tokens=16)
     _park(index, toks(range(100)))
-    hit = index.lookup(ROOT, toks(range(50)), 49)
+    hit = index.match(ROOT, toks(range(50)), 49)
     assert hit is not None and hit.n_tokens == 49
 
 
@@ -45,7 +45,7 @@ def test_longest_of_several_entries_wins() -> None:
     index = ResidentIndex([1, 2, 3], budget_tokens=1000, page_tokens=16)
     _park(index, toks(range(40), range(900, 960)))
     best = _park(index, toks(range(80), range(700, 720)))
-    hit = index.lookup(ROOT, toks(range(90)), 89)
+    hit = index.match(ROOT, toks(range(90)), 89)
     assert hit is not None and hit.seq_id == best and hit.n_tokens == 80
 
 
@@ -83,7 +83,7 @@ def test_remove_and_clear_forget_keys() -> None:
     a = _park(index, toks(range(64)))
     _park(index, toks(range(500, 564)))
     index.remove(a)
-    assert index.lookup(ROOT, toks(range(64)), 63) is None
+    assert index.match(ROOT, toks(range(64)), 63) is None
     assert len(index.clear()) == 1
     assert index.entries() == [] and index.used_tokens == 0
 
@@ -107,16 +107,28 @@ def test_abandoned_park_forgets_every_slot_it_touched() -> None:
     assert longer is not None and first.seq_id in longer.evict
     index.abandon_park(longer)
     assert index.entries() == []
-    assert index.lookup(ROOT, toks(range(200)), 199) is None
+    assert index.match(ROOT, toks(range(200)), 199) is None
 
 
 def test_sliding_window_checkpoints_serve_only_their_full_length() -> None:
     """A checkpoint longer than the window lacks the window before any shorter cut."""
     index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=16, window=64)
     long_seq = _park(index, toks(range(100)))
-    assert index.lookup(ROOT, toks(range(70), range(500, 520)), 89) is None
-    hit = index.lookup(ROOT, toks(range(110)), 108)
+    assert index.match(ROOT, toks(range(70), range(500, 520)), 89) is None
+    hit = index.match(ROOT, toks(range(110)), 108)
     assert hit is not None and (hit.seq_id, hit.n_tokens) == (long_seq, 100)
     short_seq = _park(index, toks(range(1000, 1050)))  # within the window: any cut is exact
-    hit = index.lookup(ROOT, toks(range(1000, 1030), range(7, 9)), 31)
+    hit = index.match(ROOT, toks(range(1000, 1030), range(7, 9)), 31)
     assert hit is not None and (hit.seq_id, hit.n_tokens) == (short_seq, 30)
+
+
+def test_a_match_changes_no_state_and_a_touch_makes_the_entry_most_recent() -> None:
+    index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=64)
+    for seq_id, start in ((1, 0), (2, 500)):
+        plan = index.plan_park(toks(range(start, start + 64)))
+        assert plan is not None and plan.seq_id == seq_id
+        index.commit_park(plan, ROOT, toks(range(start, start + 64)), b"h")
+    assert index.match(ROOT, toks(range(64)), 63) is not None
+    assert [e.seq_id for e in index.entries()] == [1, 2]  # a lookup is not a use
+    index.touch(1)
+    assert [e.seq_id for e in index.entries()] == [2, 1]
