@@ -114,8 +114,8 @@ class SkippyLlama(llama_cpp.Llama):
         self.last_sampled: int | None = None  # the last request's last token (not evaluated)
         self.recorder = Recorder(self)
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
-        # sequence 1 doubles as the scratch sequence of range captures for L3 records
-        aux = max(slots, 1 if settings.l3.mode != "off" else 0)
+        # sequence 1 doubles as the scratch sequence of range captures for records (stock builds)
+        aux = max(slots, 1 if wants_pages(settings) else 0)
         with adjusted(sequence_count(1 + aux)):
             super().__init__(model_path, **kwargs)
         self.cache_disabled_reason: str | None = None
