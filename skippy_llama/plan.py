@@ -262,7 +262,14 @@ class Planner:
         # each page from the cheapest tier that holds it
         remote = [t for t in tiers if isinstance(t, RemotePageTier)]
         far = remote[0] if remote else tiers[-1]
-        sources = [next((t for t in local if t.holds(s.key)), far) for s in path.steps]
+        # the walk already knows who holds each page it found by key: asked only for the rest
+        by_name = {t.name: t for t in local}
+        sources = [
+            by_name[s.holder]
+            if s.holder in by_name
+            else next((t for t in local if t.holds(s.key)), far)
+            for s in path.steps
+        ]
         deepest = max(sources, key=tiers.index).name
         append = prompt.can_append and floor > 0
         moved = usable - floor if append else usable

@@ -148,6 +148,8 @@ class PathStep:
     parent: bytes
     n_tokens: int
     used: int
+    #: the cheapest tier the walk found holding the page by key (None: found as a child)
+    holder: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,8 +188,9 @@ def walk(
         n = p - pos % p
         if pos + n <= limit:
             key = chain_key(parent, tokens[pos : pos + n])
-            if any(tier.holds(key, queued=queued) for tier in tiers):
-                steps.append(PathStep(key, parent, n, n))
+            holder = next((t for t in tiers if t.holds(key, queued=queued)), None)
+            if holder is not None:
+                steps.append(PathStep(key, parent, n, n, holder.name))
                 parent, pos = key, pos + n
                 continue
         best: PathStep | None = None
