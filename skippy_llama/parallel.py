@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 #: Work on at least this many bytes is spread over the pool; below it a thread hand-off costs
@@ -59,6 +59,12 @@ def ordered(
         for future in futures:
             future.cancel()
         wait(futures)
+
+
+def submit(fn: Callable[..., _R], *args: object) -> Future[_R]:
+    """``fn(*args)`` on the shared pool (work that overlaps the caller's own, such as network
+    reads; it must not submit work itself)."""
+    return _pool().submit(fn, *args)
 
 
 def run_all(tasks: Sequence[Callable[[], object]], *, parallel: bool) -> None:

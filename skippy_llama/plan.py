@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .costs import CostModel
-from .identity import page_keys
+from .identity import chain_key, page_keys
 from .tiers.base import (
     PagePath,
     PageTier,
@@ -26,6 +26,7 @@ from .tiers.base import (
     ResidentTier,
     Tier,
     Tokens,
+    best_child,
     common_prefix,
     walk,
 )
@@ -222,20 +223,30 @@ class Planner:
     def _remote_path(
         self, prompt: Prompt, limit: int, depth: int, tiers: Sequence[PageTier]
     ) -> PagePath | None:
-        """The aligned pages a remote tier holds, if deeper than ``depth`` tokens (one round
-        trip per remote tier, and none when no whole page could beat ``depth``)."""
+        """The pages a remote tier holds, if deeper than ``depth`` tokens: its aligned pages,
+        then the best of the pages stored after them (a record's tail). One lookup per remote
+        tier, and none when no whole page could beat ``depth``."""
         p = self.page_tokens
         whole = limit - limit % p
         for tier in tiers:
             if not isinstance(tier, RemotePageTier) or prompt.aligned(whole) <= depth:
                 continue
             keys = page_keys(self.root, prompt.tokens[:whole], p)
-            held = tier.match_depth(keys)
-            if prompt.aligned(held * p) > depth:
-                parents = [self.root, *keys[: held - 1]]
-                pairs = zip(keys[:held], parents, strict=True)
-                steps = tuple(PathStep(key, parent, p, p) for key, parent in pairs)
-                return PagePath(steps, keys[held - 1])
+            held = tier.match_path(keys)
+            parents = [self.root, *keys[: held.depth]]
+            pairs = zip(keys[: held.depth], parents, strict=False)
+            steps = [PathStep(key, parent, p, p) for key, parent in pairs]
+            pos = held.depth * p
+            tail = best_child(held.children, parents[-1], prompt.tokens[pos:limit])
+            if tail is not None:
+                steps.append(tail)
+            end = parents[-1]
+            if tail is not None:  # as walk() ends a path: the node after the used tokens
+                cut = prompt.tokens[pos : pos + tail.used]
+                end = tail.key if tail.used == tail.n_tokens else chain_key(end, cut)
+            path = PagePath(tuple(steps), end)
+            if prompt.aligned(path.n_tokens) > depth:
+                return path
         return None
 
     def _pages(

@@ -18,7 +18,7 @@ that implements one of these protocols and registers a factory there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -130,13 +130,30 @@ class PageTier(Tier, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RemoteMatch:
+    """What a remote tier holds of a prompt, from one lookup.
+
+    Attributes:
+        depth: how many of the prompt's leading aligned page keys it holds.
+        children: the pages stored right after the deepest of them (or nothing when ``depth``
+            is 0), as ``(page key, tokens as little-endian int32)``, authenticated: the page a
+            record ended with (a prompt's tail) is found here, since it does not end on a page
+            boundary and so has no aligned key.
+    """
+
+    depth: int
+    children: tuple[tuple[bytes, bytes], ...] = ()
+
+
 @runtime_checkable
 class RemotePageTier(PageTier, Protocol):
     """A page tier behind a network round trip (the remote tier): the planner never walks it
     page by page; it asks once, for all of a prompt's aligned page keys, how deep it holds."""
 
-    def match_depth(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` (chain keys of aligned pages, page 0 first) are held."""
+    def match_path(self, keys: Sequence[bytes]) -> RemoteMatch:
+        """How many leading ``keys`` (chain keys of aligned pages, page 0 first) are held, and
+        the pages stored after the deepest of them."""
         ...
 
 
@@ -163,6 +180,20 @@ class PagePath:
     @property
     def n_tokens(self) -> int:
         return sum(step.used for step in self.steps)
+
+
+def best_child(
+    children: Iterable[tuple[bytes, bytes]], parent: bytes, rest: Tokens
+) -> PathStep | None:
+    """The child of ``parent`` (``(key, tokens as <i4 bytes)``) that shares the most leading
+    tokens with ``rest``, as a step using those tokens; None when none shares one."""
+    best: PathStep | None = None
+    for key, raw in children:
+        child = np.frombuffer(raw, dtype="<i4")
+        m = common_prefix(child, rest)
+        if m > 0 and (best is None or m > best.used):
+            best = PathStep(key, parent, len(child), m)
+    return best
 
 
 def walk(
@@ -193,14 +224,9 @@ def walk(
                 steps.append(PathStep(key, parent, n, n, holder.name))
                 parent, pos = key, pos + n
                 continue
-        best: PathStep | None = None
         rest = tokens[pos:limit]
-        for tier in tiers:
-            for key, raw in tier.children(parent, queued=queued):
-                child = np.frombuffer(raw, dtype="<i4")
-                m = common_prefix(child, rest)
-                if m > 0 and (best is None or m > best.used):
-                    best = PathStep(key, parent, len(child), m)
+        found = (pair for tier in tiers for pair in tier.children(parent, queued=queued))
+        best = best_child(found, parent, rest)
         if best is None:
             break
         steps.append(best)

@@ -113,7 +113,7 @@ def _remote(context: TierContext, disk: DiskTier | None) -> Tier | None:
             pages = disk.read([key])
             return bytes(pages[0]) if pages else None
 
-    pages = RemotePages(tier, context.identity.root, load)
+    pages = RemotePages(tier, context.identity.root, load, context.settings.page_tokens)
     if disk is not None:
         disk.add_write_listener(pages.push)
     else:

@@ -20,9 +20,11 @@ from redisserver import RedisServer
 from skippy_llama.config import RemoteSettings, load_settings
 from skippy_llama.errors import ConfigError
 from skippy_llama.identity import chain_key, token_bytes
+from skippy_llama.tiers.base import RemoteMatch
 from skippy_llama.tiers.records import PageBlob, PrefixRecord
 from skippy_llama.tiers.remote import RemoteTier
 from skippy_llama.tiers.remote import codec as remote_codec
+from skippy_llama.tiers.remote.tier import MAX_CHILDREN
 
 PAGE_TOKENS = 16
 
@@ -92,13 +94,13 @@ def test_round_trip_and_repeat_push_sends_no_page_bytes(
         first = tier.push(record)
         assert (first.pages_sent, first.pages_present, first.manifest_sent) == (5, 0, True)
         assert first.bytes_sent == sum(len(p) + remote_codec.HEADER_BYTES for p in payloads)
-        assert tier.match(ROOT_A, keys) == 5
+        assert tier.match(ROOT_A, keys).depth == 5
         assert tier.holds(keys[0], root=ROOT_A)
         assert tier.fetch(keys, root=ROOT_A) == payloads
         # a longer prompt: the match stops at the first page the server lacks
         _other, other_keys, _ = make_record(ROOT_A, 2, 2)
-        assert tier.match(ROOT_A, [*keys[:3], *other_keys]) == 3
-        assert tier.match(ROOT_B, keys) == 0  # another cache identity never matches
+        assert tier.match(ROOT_A, [*keys[:3], *other_keys]).depth == 3
+        assert tier.match(ROOT_B, keys).depth == 0  # another cache identity never matches
 
         again = tier.push(record)
         assert (again.pages_sent, again.bytes_sent, again.pages_present) == (0, 0, 5)
@@ -120,7 +122,7 @@ def test_a_second_instance_fetches_what_the_first_pushed(
     with make_tier(redis_clean.url, secret) as node_a:
         node_a.push(record)
     with make_tier(redis_clean.unix_url, secret) as node_b:
-        assert node_b.match(ROOT_A, keys) == 4
+        assert node_b.match(ROOT_A, keys).depth == 4
         assert node_b.fetch(keys, root=ROOT_A) == payloads
 
 
@@ -132,7 +134,7 @@ def test_a_wrong_secret_matches_nothing(
         tier.push(record)
     stranger = secret_file(tmp_path, "other.key")
     with make_tier(redis_clean.url, stranger) as other:
-        assert other.match(ROOT_A, keys) == 0
+        assert other.match(ROOT_A, keys).depth == 0
         assert other.fetch(keys, root=ROOT_A) == []
         assert other.status()["bad_values"] == {"missing": 1}
 
@@ -150,7 +152,7 @@ def test_a_value_planted_without_the_secret_is_refused(
         for name, page in zip(names, record.pages, strict=True):
             forged = remote_codec.pack(forger._signer, name, remote_codec.KIND_PAGE, 16, page.data)
             client.set(name, forged)
-        assert tier.match(ROOT_A, keys) == 2  # present …
+        assert tier.match(ROOT_A, keys).depth == 2  # present …
         assert tier.fetch(keys, root=ROOT_A) == []  # … but not authentic
         assert tier.status()["bad_values"] == {"unauthenticated": 1}
         assert not client.exists(names[0])  # deleted, so a real push can store it again
@@ -211,11 +213,11 @@ def test_server_killed_mid_run_opens_the_breaker_then_restarted_empty_is_a_miss(
     record, keys, _ = make_record(ROOT_A, 8, 3)
     with make_tier(redis_clean.url, secret, clock, breaker_failures=3) as tier:
         tier.push(record)
-        assert tier.match(ROOT_A, keys) == 3
+        assert tier.match(ROOT_A, keys).depth == 3
         redis_clean.kill()
         try:
             # every call fails open: misses, an empty fetch, a skipped push
-            assert tier.match(ROOT_A, keys) == 0
+            assert tier.match(ROOT_A, keys).depth == 0
             assert tier.fetch(keys, root=ROOT_A) == []
             assert tier.push(record).skipped == "failed"
             status = tier.status()
@@ -223,7 +225,7 @@ def test_server_killed_mid_run_opens_the_breaker_then_restarted_empty_is_a_miss(
             assert status["breaker"]["state"] == "open" and status["state"] == "off"
             assert status["breaker"]["open_until"] is not None
             # open: no socket work, so no new failures; the calls are counted as skipped
-            assert tier.match(ROOT_A, keys) == 0
+            assert tier.match(ROOT_A, keys).depth == 0
             assert tier.fetch(keys, root=ROOT_A) == []
             assert not tier.holds(keys[0], root=ROOT_A)
             assert tier.push(record).skipped == "breaker_open"
@@ -234,7 +236,7 @@ def test_server_killed_mid_run_opens_the_breaker_then_restarted_empty_is_a_miss(
         finally:
             redis_clean.start()  # back, empty
         clock.now += 10.0  # the back-off ends: the next call probes the server
-        assert tier.match(ROOT_A, keys) == 0  # restarted empty: a miss, not an error
+        assert tier.match(ROOT_A, keys).depth == 0  # restarted empty: a miss, not an error
         assert tier.status()["breaker"]["state"] == "closed"
         assert tier.push(record).pages_sent == 3  # and it fills again
         assert tier.fetch(keys, root=ROOT_A) == [p.data for p in record.pages]
@@ -272,7 +274,7 @@ def test_a_paused_server_times_out_and_opens_the_breaker(
         tier.push(record)
         redis_clean.pause()
         try:
-            assert tier.match(ROOT_A, keys) == 0
+            assert tier.match(ROOT_A, keys).depth == 0
             assert tier.fetch(keys, root=ROOT_A) == []
             status = tier.status()
             assert status["failures"] == {"timeout": 2}
@@ -297,7 +299,7 @@ def test_maxmemory_with_allkeys_lru_evicts_without_errors(
         served = 0
         for i, (_, keys, payloads) in enumerate(records):
             root = bytes([i]) * 16
-            depth = tier.match(root, keys)
+            depth = tier.match(root, keys).depth
             pages = tier.fetch(keys[:depth], root=root)
             assert pages == payloads[: len(pages)]  # what is served is right
             served += len(pages)
@@ -329,6 +331,68 @@ def test_maxmemory_without_eviction_suspends_writes_and_keeps_reads(
         assert tier.fetch(kept_keys, root=ROOT_A) == kept_payloads
 
 
+def tailed_record(
+    root: bytes, seed: int, n_pages: int, tail: int
+) -> tuple[PrefixRecord, list[bytes]]:
+    """``make_record``'s pages and a last page of ``tail`` tokens after them: (record, keys)."""
+    whole, keys, _ = make_record(root, seed, n_pages)
+    rng = random.Random(seed + 1000)
+    tokens = [rng.randrange(50_000) for _ in range(tail)]
+    key = chain_key(keys[-1], tokens)
+    page = PageBlob(key, keys[-1], tail, token_bytes(tokens), page_bytes(rng, 1024), tail)
+    pages = (*whole.pages, page)
+    record = PrefixRecord(root.hex(), "model-a", "synthetic", whole.n_tokens + tail, pages)
+    return record, [*keys, key]
+
+
+def test_a_records_tail_is_found_after_its_aligned_pages(
+    redis_clean: RedisServer, secret: Path, tmp_path: Path
+) -> None:
+    """A page that ends off a page boundary has no aligned key: the push indexes it under its
+    parent, one lookup returns it (authenticated), and a forged entry is a counted miss."""
+    record, keys = tailed_record(ROOT_A, 21, 3, tail=5)
+    tail = record.pages[-1]
+    with make_tier(redis_clean.url, secret) as tier:
+        tier.push(record, index=[tail.key])
+        found = tier.match(ROOT_A, keys[:3])
+        assert (found.depth, found.children) == (3, ((tail.key, tail.tokens),))
+        assert tier.fetch([tail.key], root=ROOT_A) == [tail.data]
+        # a prompt whose aligned pages the server holds only in part: the second round trip
+        # reads the children of the deepest one held (none here)
+        other, other_keys = tailed_record(ROOT_A, 22, 2, tail=5)
+        assert tier.match(ROOT_A, [*keys[:2], other_keys[1]]) == RemoteMatch(2)
+        # someone without the secret adds an entry: refused and counted
+        name = tier.keys.children(ROOT_A.hex(), keys[2])
+        client = redis_clean.client()
+        forged = other.pages[-1]
+        client.hset(name, forged.key, b"\0" * remote_codec.TAG_BYTES + forged.tokens)
+        client.hset(name, b"short", b"x")
+        assert tier.match(ROOT_A, keys[:3]).children == ((tail.key, tail.tokens),)
+        assert tier.status()["bad_values"] == {"unauthenticated_child": 1, "foreign_child": 1}
+        # an instance with another secret finds nothing, the index included
+        with make_tier(redis_clean.url, secret_file(tmp_path, "other.key")) as stranger:
+            assert stranger.match(ROOT_A, keys[:3]) == RemoteMatch(0)
+        inventory = tier.server_status()["inventory"][ROOT_A.hex()]
+        assert (inventory["pages"], inventory["child_entries"]) == (4, 3)
+        assert tier.clear(ROOT_A.hex())["keys_removed"] == 6  # 4 pages, a manifest, an index
+        assert tier.match(ROOT_A, keys[:3]) == RemoteMatch(0)
+
+
+def test_a_busy_nodes_child_index_is_bounded(redis_clean: RedisServer, secret: Path) -> None:
+    with make_tier(redis_clean.url, secret) as tier:
+        base, keys, _ = make_record(ROOT_A, 23, 1)
+        tier.push(base)
+        for n in range(MAX_CHILDREN + 1):
+            tokens = [n, n + 1]
+            key = chain_key(keys[0], tokens)
+            page = PageBlob(key, keys[0], 2, token_bytes(tokens), b"SKPG" + bytes(60), 2)
+            record = PrefixRecord(ROOT_A.hex(), "model-a", "synthetic", PAGE_TOKENS + 2,
+                                  (*base.pages, page))  # fmt: skip
+            tier.push(record, index=[key])
+        children = tier.match(ROOT_A, keys).children
+        assert children == ((key, token_bytes(tokens)),)  # over the bound: started over
+
+
 def test_clear_of_one_identity_leaves_the_others(
     redis_clean: RedisServer, secret: Path, tmp_path: Path
 ) -> None:
@@ -341,7 +405,7 @@ def test_clear_of_one_identity_leaves_the_others(
         client.set(b"someone-else:key", b"theirs")
         result = tier.clear(ROOT_A.hex())
         assert result["keys_removed"] == 4  # three pages and a manifest
-        assert tier.match(ROOT_A, keys_a) == 0
+        assert tier.match(ROOT_A, keys_a).depth == 0
         assert tier.fetch(keys_b, root=ROOT_B) == payloads_b
         assert client.get(b"someone-else:key") == b"theirs"
         inventory = tier.server_status()["inventory"]
@@ -441,7 +505,7 @@ def test_kv_cache_status_prune_and_clear_act_on_the_remote_tier(
     assert main(argv) == 0
     assert "cleared 2 remote keys" in capsys.readouterr().out  # page 0 and the cut manifest
     with make_tier(redis_clean.url, secret) as tier:
-        assert tier.match(ROOT_A, keys_a) == 0
+        assert tier.match(ROOT_A, keys_a).depth == 0
         assert tier.fetch(keys_b, root=ROOT_B) == payloads_b
     argv = ["kv-cache", "clear", "--remote", "--cache-identity", ROOT_B.hex(), "--yes", *flags]
     assert main(argv) == 0

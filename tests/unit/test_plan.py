@@ -13,6 +13,7 @@ from skippy_llama.identity import chain_key, page_keys
 from skippy_llama.plan import Planner, Prompt
 from skippy_llama.tiers.base import (
     PageTier,
+    RemoteMatch,
     RemotePageTier,
     ResidentMatch,
     ResidentTier,
@@ -260,21 +261,35 @@ def test_an_append_plan_keeps_a_short_last_page_past_the_l1_prefix() -> None:
 
 @dataclass
 class FakeRemote(FakePages):
-    """A remote tier: never walked page by page, asked once for its match depth."""
+    """A remote tier: never walked page by page, asked once for its match; ``tails`` are the
+    pages indexed after a node (parent -> [(key, tokens)])."""
 
     asked: int = 0
+    tails: dict[bytes, list[tuple[bytes, bytes]]] = field(default_factory=dict)
 
     def holds(self, key: bytes, *, queued: bool = False) -> bool:
         return False
 
-    def match_depth(self, keys: Sequence[bytes]) -> int:
+    def tail(self, tokens: np.ndarray) -> FakeRemote:
+        """Hold ``tokens`` as a record does: aligned pages, then the rest as one short page."""
+        self.hold(tokens)
+        whole = len(tokens) - len(tokens) % PAGE
+        parent = page_keys(ROOT, tokens[:whole], PAGE)[-1] if whole else ROOT
+        rest = tokens[whole:]
+        self.tails.setdefault(parent, []).append(
+            (chain_key(parent, rest), rest.astype("<i4").tobytes())
+        )
+        return self
+
+    def match_path(self, keys: Sequence[bytes]) -> RemoteMatch:
         self.asked += 1
         depth = 0
         for key in keys:
             if key not in self.keys:
                 break
             depth += 1
-        return depth
+        parent = keys[depth - 1] if depth else ROOT
+        return RemoteMatch(depth, tuple(self.tails.get(parent, [])) if depth else ())
 
 
 def test_a_remote_tier_is_asked_once_and_serves_the_pages_local_tiers_lack() -> None:
@@ -286,6 +301,22 @@ def test_a_remote_tier_is_asked_once_and_serves_the_pages_local_tiers_lack() -> 
     assert remote.asked == 1
     assert (plan.tier, plan.n_tokens) == ("remote", 256)
     assert [p.tier for p in plan.pages] == ["l3", "remote", "remote", "remote"]
+
+
+def test_a_remote_tail_page_is_used_as_far_as_the_prompt_matches_it() -> None:
+    tokens = toks(300)
+    remote = FakeRemote("remote").tail(tokens[:280])  # 4 whole pages and a 24-token tail
+    plan = planner(remote).plan(Prompt(tokens, 299))
+    assert (plan.tier, plan.n_tokens) == ("remote", 280)
+    assert [p.used for p in plan.pages] == [64, 64, 64, 64, 24]
+    # a prompt that branches off inside the tail uses the tail's shared tokens only
+    other = np.concatenate([tokens[:270], toks(30) + 5000])
+    branched = planner(remote).plan(Prompt(other, 299))
+    assert (branched.n_tokens, branched.pages[-1].used) == (270, 14)
+    # a tail indexed after another node is never taken
+    elsewhere = FakeRemote("remote").tail(toks(280) + 7000)
+    elsewhere.hold(tokens[:256])
+    assert planner(elsewhere).plan(Prompt(tokens, 299)).n_tokens == 256
 
 
 def test_a_remote_tier_is_not_asked_when_local_tiers_cover_every_whole_page() -> None:

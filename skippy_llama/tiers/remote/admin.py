@@ -19,7 +19,7 @@ from ..l3.auth import Signer
 from ..l3.schema import Manifest
 from . import codec
 from .client import failure_reason
-from .keys import MANIFEST, PAGE, Keys
+from .keys import CHILDREN, MANIFEST, PAGE, Keys
 
 #: Keys per SCAN step and per pipelined batch.
 SCAN_COUNT = 1000
@@ -73,10 +73,14 @@ class Admin:
                 ident, secret, kind, _ = parsed
                 entry = inventory.setdefault(
                     ident,
-                    {"pages": 0, "manifests": 0, "bytes": 0, "other_secrets": 0, "models": {}},
-                )
+                    {"pages": 0, "manifests": 0, "child_entries": 0, "bytes": 0,
+                     "other_secrets": 0, "models": {}},
+                )  # fmt: skip
                 if secret != self.keys.secret:
                     entry["other_secrets"] += 1
+                    continue
+                if kind == CHILDREN:
+                    entry["child_entries"] += size
                     continue
                 entry["bytes"] += size
                 if kind == PAGE:
@@ -119,8 +123,16 @@ class Admin:
             yield from self._sizes(batch)
 
     def _sizes(self, names: list[bytes]) -> list[tuple[bytes, int]]:
-        lengths = self._each("strlen", names)
-        return [(name, int(n)) for name, n in zip(names, lengths, strict=True)]
+        """Bytes of each value; for a child index (a hash), its entries."""
+
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            parsed = self.keys.parse(name)
+            pipe.hlen(name) if parsed and parsed[2] == CHILDREN else pipe.strlen(name)
+        lengths = pipe.execute(raise_on_error=False)  # a foreign value of another type: 0
+        return [
+            (name, n if isinstance(n, int) else 0) for name, n in zip(names, lengths, strict=True)
+        ]
 
     def _manifests(self, names: list[bytes]) -> Iterator[tuple[bytes, Manifest]]:
         """The manifests under ``names`` that verify (others are counted and skipped)."""

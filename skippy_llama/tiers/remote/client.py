@@ -19,6 +19,9 @@ from redis.retry import Retry
 
 from ...config import RemoteSettings
 
+#: Bytes asked of the socket per read.
+READ_CHUNK = 1 << 20
+
 
 def connect(settings: RemoteSettings) -> redis.Redis:
     """A client for ``settings.url`` (connects on first use, not here)."""
@@ -33,6 +36,8 @@ def connect(settings: RemoteSettings) -> redis.Redis:
         health_check_interval=0,
         decode_responses=False,
         client_name="skippy-llama",
+        # pages are megabytes: read them in 1 MiB chunks, not the default 64 KiB
+        socket_read_size=READ_CHUNK,
     )
     return client
 

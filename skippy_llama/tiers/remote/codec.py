@@ -30,8 +30,8 @@ KIND_MANIFEST = 2
 _LABELS = {KIND_PAGE: b"remote-page", KIND_MANIFEST: b"remote-manifest"}
 # magic, version, kind, n_tokens, body length, digest; the tag follows
 _HEAD = struct.Struct("<4sBBIQ16s")
-_TAG_BYTES = 16
-HEADER_BYTES = _HEAD.size + _TAG_BYTES
+TAG_BYTES = 16
+HEADER_BYTES = _HEAD.size + TAG_BYTES
 
 
 class FrameError(Exception):

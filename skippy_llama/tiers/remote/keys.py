@@ -5,6 +5,10 @@ KV layout, backend, settings) ever asks for them, and ``clear`` of one identity 
     {namespace}:{identity}:{secret id}:p:{page key hex}      a page (codec.py frame)
     {namespace}:{identity}:{secret id}:m:{manifest id hex}   a prefix's manifest (codec.py frame
                                                               around L3's manifest JSON)
+    {namespace}:{identity}:{secret id}:c:{parent key hex}     a hash of the pages that follow a
+                                                              node and end off a page boundary
+                                                              (a record's tail): page key ->
+                                                              tag + tokens
 
 The secret id (:func:`secret_id`) names the shared secret without revealing it: instances with
 another secret look under other keys, so they match nothing instead of matching pages they must
@@ -24,6 +28,7 @@ from ..l3.auth import Signer
 
 PAGE = b"p"
 MANIFEST = b"m"
+CHILDREN = b"c"
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 
 
@@ -74,6 +79,9 @@ class Keys:
     def manifest(self, identity_hex: str, mid: bytes) -> bytes:
         return self._name(identity_hex, MANIFEST, mid)
 
+    def children(self, identity_hex: str, parent: bytes) -> bytes:
+        return self._name(identity_hex, CHILDREN, parent)
+
     def parse(self, name: bytes) -> tuple[str, str, bytes, bytes] | None:
         """``(identity hex, secret id, kind, key)`` of a key of this namespace, None for any
         other."""
@@ -81,7 +89,7 @@ class Keys:
         if not name.startswith(head):
             return None
         parts = name[len(head) :].split(b":")
-        if len(parts) != 4 or parts[2] not in (PAGE, MANIFEST):
+        if len(parts) != 4 or parts[2] not in (PAGE, MANIFEST, CHILDREN):
             return None
         try:
             identity = check_identity(parts[0].decode("ascii"))

@@ -1,6 +1,6 @@
 """The remote tier under the page-tier protocol (``tiers/base.py``), for one cache identity.
 
-Reads: the planner asks :meth:`RemotePages.match_depth` once per prompt that the local tiers do
+Reads: the planner asks :meth:`RemotePages.match_path` once per prompt that the local tiers do
 not cover (one pipelined round trip for all of the prompt's aligned page keys), never a round
 trip per page; :meth:`RemotePages.fetch` brings the chosen pages in pipelined batches, each
 verified. Writes: L3's background writer calls :meth:`RemotePages.push` after L3 stored a record
@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..base import RemoteMatch
 from ..records import PrefixRecord
 from .tier import RemoteTier
 
@@ -37,6 +38,9 @@ class RemotePages:
         root: the cache identity root its keys live under.
         load: the verified bytes of a page L3 holds (for records that reuse pages the server
             lacks), or None.
+        page_tokens: tokens per page; a page of fewer (a record's tail, or a page after a
+            branch point) is entered in its parent's child index when pushed, so a match finds
+            it though no aligned key names it.
     """
 
     name = "remote"
@@ -47,23 +51,26 @@ class RemotePages:
         remote: RemoteTier,
         root: bytes,
         load: Callable[[bytes], bytes | None] | None = None,
+        page_tokens: int = 128,
     ) -> None:
         self.remote = remote
         self.root = root
         self._load = load
+        self.page_tokens = page_tokens
 
     @property
     def serving(self) -> bool:
         return self.remote.available
 
     def holds(self, key: bytes, *, queued: bool = False) -> bool:
-        return False  # found by match_depth, once per prompt: a round trip per page would cost
+        return False  # found by match_path, once per prompt: a round trip per page would cost
 
     def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
         return []  # the server holds aligned pages by key; branch points are L3's
 
-    def match_depth(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` (a prompt's aligned page keys) the server holds."""
+    def match_path(self, keys: Sequence[bytes]) -> RemoteMatch:
+        """How many leading ``keys`` (a prompt's aligned page keys) the server holds, and the
+        pages indexed after the deepest of them."""
         return self.remote.match(self.root, keys)
 
     def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
@@ -82,7 +89,8 @@ class RemotePages:
     def push(self, record: PrefixRecord, stored: Mapping[bytes, bytes]) -> None:
         """Send a record L3 just stored (from L3's writer thread; see the module docstring)."""
         if record.cache_identity == self.root.hex():
-            self.remote.push(record, stored=stored, load=self._load)
+            short = [page.key for page in record.pages if page.n_tokens < self.page_tokens]
+            self.remote.push(record, stored=stored, load=self._load, index=short)
 
     def status(self) -> RemoteStatus:
         return RemoteStatus(self.remote.status())

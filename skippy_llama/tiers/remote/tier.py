@@ -27,7 +27,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +37,8 @@ import redis
 from ...codecs import decode
 from ...config import RemoteSettings, redact_url
 from ...errors import ConfigError, StateFormatError, UnknownCodecError
+from ...parallel import submit
+from ..base import RemoteMatch
 from ..l3.auth import Signer, load_secret
 from ..l3.schema import Manifest
 from ..records import PageBlob, PrefixRecord
@@ -49,9 +52,16 @@ log = logging.getLogger("skippy_llama")
 
 T = TypeVar("T")
 
-#: Pages per pipelined GET batch: SmolLM2's 128-token pages are about 3 MB, so a batch is about
-#: 24 MB in flight, and a failure mid-prefix wastes at most one batch.
-FETCH_BATCH_PAGES = 8
+#: Pages per pipelined GET batch: small, so the byte pool verifies and decodes one batch while
+#: the socket reads the next (SmolLM2's 128-token pages are about 2 MB stored; on a loopback
+#: server 8 per batch took 1.58x a local L3 restore, 2 per batch 1.26x), and a failure mid-prefix
+#: wastes at most one batch.
+FETCH_BATCH_PAGES = 2
+#: Entries a node's child index keeps (a push that finds more starts it over), and a match reads:
+#: a system prompt followed by many different questions must not make every lookup read them all.
+MAX_CHILDREN = 64
+#: What a child-index entry's tag is over (a tag of another kind of value never verifies as it).
+CHILD_LABEL = b"remote-child"
 #: Page bytes per pipelined SET batch of a push.
 PUSH_BATCH_BYTES = 32 << 20
 #: Failure reasons that are the server refusing writes while it still serves reads.
@@ -218,79 +228,118 @@ class RemoteTier:
         found = self._run("holds", lambda: self._client.exists(name))
         return bool(found)
 
-    def match(self, root: bytes, keys: Sequence[bytes]) -> int:
+    def match(self, root: bytes, keys: Sequence[bytes]) -> RemoteMatch:
         """How many leading pages of ``keys`` (a prompt's chain keys, page 0 first, under the
-        cache identity ``root``) the server holds: one pipelined round trip of EXISTS; 0 on a
-        failure or while the breaker is open. Holding is not verifying: :meth:`fetch` may still
-        serve fewer."""
+        cache identity ``root``) the server holds, and the authenticated pages indexed after
+        the deepest of them (a record's tail, see :meth:`push`).
+
+        One pipelined round trip of EXISTS, which also reads the pages after the last of
+        ``keys``; a second one only when the server holds some but not all of ``keys``.
+        Nothing (depth 0) on a failure or while the breaker is open. Holding is not
+        verifying: :meth:`fetch` may still serve fewer.
+        """
         if not keys:
-            return 0
+            return RemoteMatch(0)
         self._add("requests")
         ident = root.hex()
         names = [self.keys.page(ident, key) for key in keys]
+        after_last = self.keys.children(ident, keys[-1])
 
-        found = self._run("match", lambda: self._each("exists", names))
+        def build(pipe: Any) -> None:
+            for name in names:
+                pipe.exists(name)
+            pipe.hgetall(after_last)
+
+        found = self._run("match", functools.partial(self._pipeline, build)) or []
         depth = 0
-        for hit in found or ():
+        for hit in found[:-1]:
             if not hit:
                 break
             depth += 1
+        entries = found[-1] if depth == len(keys) else None
+        if 0 < depth < len(keys):
+            name = self.keys.children(ident, keys[depth - 1])
+            entries = self._run("match", functools.partial(self._client.hgetall, name))
+        children: tuple[tuple[bytes, bytes], ...] = ()
+        if depth and entries:
+            children = self._verified_children(self.keys.children(ident, keys[depth - 1]), entries)
         self._add("hits" if depth else "misses")
         self._add("pages_matched", depth)
-        return depth
+        return RemoteMatch(depth, children)
+
+    def _verified_children(
+        self, name: bytes, entries: Mapping[Any, Any]
+    ) -> tuple[tuple[bytes, bytes], ...]:
+        """The entries of the index hash ``name`` that are authentic (others counted)."""
+        out: list[tuple[bytes, bytes]] = []
+        for key, value in list(entries.items())[:MAX_CHILDREN]:
+            ok = isinstance(key, bytes) and isinstance(value, bytes) and len(key) == 16
+            if not ok or len(value) <= codec.TAG_BYTES or (len(value) - codec.TAG_BYTES) % 4:
+                self._bad_value("foreign_child")
+                continue
+            tag, raw = value[: codec.TAG_BYTES], value[codec.TAG_BYTES :]
+            if not self._signer.verify(tag, self._signer.value(CHILD_LABEL, name, key, raw)):
+                self._bad_value("unauthenticated_child")
+                continue
+            out.append((key, raw))
+        return tuple(out)
 
     def fetch(self, keys: Sequence[bytes], *, root: bytes | None = None) -> list[bytes]:
         """The decoded pages of the longest prefix of ``keys`` the server holds and that
         verifies (tag, digest, the key it is stored under), fetched in pipelined batches.
 
-        Stops at the first page that is missing or bad (counted by reason; a bad value is
-        deleted so the next push stores it again). Never raises for server faults or bad data.
+        Each page is verified and decoded on the shared byte pool while the next batch is
+        read from the socket. Stops at the first page that is missing or bad (counted by
+        reason; a bad value is deleted so the next push stores it again). Never raises for
+        server faults or bad data.
         """
         if not keys:
             return []
         ident = self._ident(root)
         self._add("fetches")
-        out: list[bytes] = []
+        checks: list[tuple[bytes, int, Future[bytes | tuple[str, bool]]]] = []
         for start in range(0, len(keys), FETCH_BATCH_PAGES):
-            batch = keys[start : start + FETCH_BATCH_PAGES]
-            names = [self.keys.page(ident, key) for key in batch]
+            names = [self.keys.page(ident, key) for key in keys[start : start + FETCH_BATCH_PAGES]]
             values = self._run("fetch", functools.partial(self._each, "get", names))
             if values is None:
                 break
             for name, value in zip(names, values, strict=True):
-                page = self._verified_page(name, value)
-                if page is None:
-                    break
-                out.append(page)
-                self._add("bytes_in", len(value))
-            if len(out) < start + len(batch):
+                size = len(value) if isinstance(value, bytes) else 0
+                checks.append((name, size, submit(self._check_page, name, value)))
+            if any(value is None for value in values):
+                break  # evicted since match: the pages after it cannot be used
+        out: list[bytes] = []
+        for name, size, check in checks:
+            page = check.result()
+            if isinstance(page, tuple):
+                reason, drop = page
+                self._bad_value(reason)
+                if drop:
+                    self._drop(name)
                 break
+            out.append(page)
+            self._add("bytes_in", size)
+        for _, _, check in checks[len(out) :]:
+            check.result()  # none runs on once the restore moves on
         self._add("pages_fetched", len(out))
         return out
 
-    def _verified_page(self, name: bytes, value: Any) -> bytes | None:
-        """The page in ``value`` read from ``name``, or None (counted; bad values deleted)."""
+    def _check_page(self, name: bytes, value: Any) -> bytes | tuple[str, bool]:
+        """The page in ``value`` read from ``name``, or why not and whether the value can never
+        be served (so :meth:`fetch` deletes it). No side effects: runs on the byte pool."""
         if value is None:
-            self._bad_value("missing")  # evicted, expired or deleted since match
-            return None
+            return "missing", False  # evicted, expired or deleted since match
         if not isinstance(value, bytes):
-            self._bad_value("foreign")
-            self._drop(name)
-            return None
+            return "foreign", True
         try:
             frame = codec.unpack(self._signer, name, codec.KIND_PAGE, value)
             page = decode(frame.body, frame.n_tokens)
         except codec.FrameError as exc:
-            self._bad_value(exc.reason)
-            self._drop(name)
-            return None
+            return exc.reason, True
         except UnknownCodecError:
-            self._bad_value("unknown_codec")  # authentic, from another version: kept
-            return None
+            return "unknown_codec", False  # authentic, from another version: kept
         except StateFormatError:
-            self._bad_value("undecodable")
-            self._drop(name)
-            return None
+            return "undecodable", True
         return bytes(page)
 
     def _drop(self, name: bytes) -> None:
@@ -306,6 +355,7 @@ class RemoteTier:
         *,
         stored: Mapping[bytes, bytes] | None = None,
         load: Callable[[bytes], bytes | None] | None = None,
+        index: Collection[bytes] = (),
     ) -> PushResult:
         """Send ``record``'s pages the server lacks, then its manifest (call from a background
         writer, after L3 stored the pages; never on the request path).
@@ -315,6 +365,8 @@ class RemoteTier:
         repeat push of a stored prefix sends no page bytes. A page's bytes come from ``stored``
         (page key -> the bytes L3 stored, what the L3 recorder encoded), else from the record's
         payload, else from ``load(key)``; a page none of them has ends what is pushed there.
+        The pages whose keys are in ``index`` (those that end off a page boundary, which a
+        match cannot name by an aligned key) are also entered in their parent's child index.
         Never raises for server faults.
         """
         ident = record.cache_identity
@@ -364,6 +416,9 @@ class RemoteTier:
         if not ok or not sizes:
             return PushResult(sent, present, sent_bytes, False, None if ok else "failed")
         n_pages = len(sizes)
+        indexed = [page for page in pages[:n_pages] if page.key in index]
+        if indexed:
+            self._index(ident, indexed)
         man = Manifest.of_record(record, [*sizes, *[1] * (len(pages) - n_pages)], time.time())
         if n_pages < len(pages):
             man = man.cut(n_pages)
@@ -377,6 +432,36 @@ class RemoteTier:
             self._add("manifests_sent")
             self._add("manifest_bytes_out", len(value))
         return PushResult(sent, present, sent_bytes, bool(done), None if ok else "failed")
+
+    def _index(self, ident: str, pages: Sequence[PageBlob]) -> None:
+        """Enter ``pages`` (stored on the server) in their parents' child indexes."""
+        ttl = self.settings.ttl
+        entries = []
+        for page in pages:
+            name = self.keys.children(ident, page.parent)
+            tag = self._signer.value(CHILD_LABEL, name, page.key, page.tokens)
+            entries.append((name, page.key, tag + page.tokens))
+
+        def add(pipe: Any) -> None:
+            for name, key, value in entries:
+                pipe.hset(name, key, value)
+                pipe.hlen(name)
+                if ttl is not None:
+                    pipe.expire(name, ttl)
+
+        def restart(full: list[tuple[bytes, bytes, bytes]], pipe: Any) -> None:
+            for name, key, value in full:
+                pipe.delete(name)
+                pipe.hset(name, key, value)
+
+        results = self._run("push", functools.partial(self._pipeline, add), write=True)
+        if results is None:
+            return
+        sizes = results[1 :: 3 if ttl is not None else 2]
+        full = [e for e, n in zip(entries, sizes, strict=True) if int(n) > MAX_CHILDREN]
+        if full:  # a bound, not an LRU: the index of a busy node starts over
+            self._run("push", functools.partial(self._pipeline, functools.partial(restart, full)))
+        self._add("children_indexed", len(entries))
 
     @staticmethod
     def _page_body(
@@ -431,7 +516,7 @@ class RemoteTier:
             for name in (
                 "requests", "hits", "misses", "pages_matched", "fetches", "pages_fetched",
                 "bytes_in", "pushes", "pages_sent", "pages_present", "bytes_out",
-                "manifests_sent", "manifests_present", "manifest_bytes_out",
+                "manifests_sent", "manifests_present", "manifest_bytes_out", "children_indexed",
                 "pages_without_bytes", "skipped_breaker_open", "skipped_writes_suspended",
                 "bad_values_deleted", "internal_errors",
             )
