@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -355,16 +355,21 @@ class SkippyLlama(llama_cpp.Llama):
         self.prefix_cache.costs.observe_prefill(suffix, event.prefill_ms / 1e3)
         self._finish(event, len(whole), repairable=False)
 
-    def prepare_next_turn(self) -> int:
+    def prepare_next_turn(self, stop: Callable[[], bool] | None = None) -> int:
         """Do now, while nothing waits, what the next request would otherwise do first:
         re-decode the last reply as one batch (so the next turn reuses it exactly), decode the
         chat template's head after it, keep the chat resident when several chats take turns,
         and make a waiting L3 record. Outputs do not change. See ``runtime/repair.py``.
 
+        Args:
+            stop: asked between those steps; once it returns True the rest is left to the
+                next request (a server passes "a request is waiting"), so a request waits
+                for one step at most.
+
         Returns:
             the tokens decoded: 0 when there is nothing to do.
         """
-        return repair.prepare_next_turn(self)
+        return repair.prepare_next_turn(self, stop)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""

@@ -9,7 +9,7 @@ prompt leaves the live sequence for another chat.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import llama_cpp
@@ -55,7 +55,7 @@ def displace(llm: SkippyLlama, exact: int, event: CacheEvent) -> None:
     llm.park(exact)
 
 
-def prepare_next_turn(llm: SkippyLlama) -> int:
+def prepare_next_turn(llm: SkippyLlama, stop: Callable[[], bool] | None = None) -> int:
     """Do now what the next request would otherwise do first: re-decode the last reply,
     and keep the chat resident when several chats take turns.
 
@@ -81,12 +81,18 @@ def prepare_next_turn(llm: SkippyLlama) -> int:
     and pays no checkpoint here. An L3 record left waiting (``defer_record_tokens``) is
     made here too.
 
+    ``stop`` is asked between the steps (the L3 record, the re-decode, the checkpoint); once it
+    returns True the rest is left for the next request to do as it would have.
+
     Returns the tokens decoded: 0 when there is nothing to do (no reply in the live sequence,
     already prepared, caching off, or a streamed reply still being read).
     """
     if not llm.caching or llm.in_generate:
         return 0
+    stopped = stop or (lambda: False)
     llm.recorder.flush()  # idle time: the capture costs no request anything
+    if stopped():
+        return 0
     exact = llm.live_exact()
     if llm.lone_decodes_exact and exact == llm.n_tokens > llm.reply_start:
         start = exact  # the reply is exact as generated: only what follows it is left
@@ -111,7 +117,7 @@ def prepare_next_turn(llm: SkippyLlama) -> int:
     counters = llm.prefix_cache.counters
     counters.turns_prepared += 1
     counters.tokens_prepared += repaired[0]
-    if counters.parked:
+    if counters.parked and not stopped():
         parked = counters.parked
         # a failed checkpoint leaves the working sequence as it was: the next request parks
         llm.guard("park", None, lambda: llm.park(llm.exact_tokens()))

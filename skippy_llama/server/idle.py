@@ -7,7 +7,8 @@ of 40 tokens per turn in ``bench_server.py``). Users take seconds to type, so th
 in that gap: once no request has started or finished for ``after`` seconds, it takes the model
 through llama_cpp.server's own lock, re-decodes the reply as one batch and checkpoints the chat
 (so the next user's request need not checkpoint it before restoring its own). A request that
-arrives meanwhile waits for that batch and checkpoint at most; where requests follow each other
+arrives meanwhile waits for the step under way at most (the L3 record, that batch, or the
+checkpoint: ``prepare_next_turn(stop=...)`` is asked between them); where requests follow each other
 without a gap (a benchmark, a batch client), the gap never opens and nothing runs.
 
 Except that on a loaded machine a client's turnaround can exceed ``after``: profiled with py-spy
@@ -37,6 +38,11 @@ def _busy(state: ServingState) -> bool:
     )
 
 
+def _waiting(state: ServingState) -> bool:
+    """A request was admitted and waits for the model (the idle work is holding it)."""
+    return state.queue.status().inflight > 0
+
+
 async def prepare_when_idle(state: ServingState, after: float) -> None:
     """Run until cancelled: ``after`` seconds into each gap between requests, prepare the next
     turn of the chat served last."""
@@ -49,10 +55,11 @@ async def prepare_when_idle(state: ServingState, after: float) -> None:
         if time.monotonic() - state.last_activity < after:
             continue
         async with contextlib.asynccontextmanager(get_llama_proxy)():
-            if state.queue.status().inflight > 0:
+            if _waiting(state):
                 continue  # a request came while this waited for the lock: it goes first
             llm = state.model()
             if llm is not None:
-                # fail-open inside: a failed repair is counted and the reply is prefilled later
-                await state.worker.run(llm.prepare_next_turn)
+                # fail-open inside: a failed repair is counted and the reply is prefilled later;
+                # a request admitted meanwhile waits for one step of it at most
+                await state.worker.run(llm.prepare_next_turn, lambda: _waiting(state))
         prepared = finished

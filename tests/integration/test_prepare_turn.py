@@ -3,6 +3,7 @@ turn, and the next turn still equals a cold prefill (SmolLM2)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,9 @@ def test_a_prepared_chat_turn_also_reuses_the_templates_head(smollm2_path: Path)
     assert np.array_equal(got, want)
 
 
-def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], list[object]]:
+def _two_chats(
+    llm: SkippyLlama | ColdLlama, prepare: bool, stop: Callable[[], bool] | None = None
+) -> tuple[list[str], list[object]]:
     """Two chats served turn by turn; ``prepare``: between requests, as a server does."""
     histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(2)]
     texts, events = [], []
@@ -167,7 +170,7 @@ def _two_chats(llm: SkippyLlama | ColdLlama, prepare: bool) -> tuple[list[str], 
             events.append(llm.last_cache_event)
             if prepare:
                 assert isinstance(llm, SkippyLlama)
-                llm.prepare_next_turn()
+                llm.prepare_next_turn(stop)
             texts.append(out["choices"][0]["message"]["content"])
             history.append({"role": "assistant", "content": texts[-1]})
     return texts, events
@@ -203,3 +206,34 @@ def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: P
         assert isinstance(first, CacheEvent) and isinstance(second, CacheEvent)
         assert second.tier == "l1"
         assert second.cached_tokens > first.prompt_tokens or granule > 1
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_request_waiting_stops_the_preparation_between_steps(
+    smollm2_path: Path, steps: int
+) -> None:
+    """``stop`` (a server: "a request is waiting") is asked between the steps: true at once,
+    nothing is prepared; true after the re-decode, the chat is not checkpointed ahead (the
+    request that displaces it does that). Outputs stay those of a cold run."""
+    asked: list[int] = []
+    llm = _skippy(smollm2_path, repair_generated="never")
+
+    def stop() -> bool:
+        # 0: at once; 1: once a reply was re-decoded (the count moved since the last ask)
+        asked.append(llm.prefix_cache.counters.turns_prepared)
+        return steps == 0 or (len(asked) > 1 and asked[-1] != asked[-2])
+
+    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        got, _ = _two_chats(llm, prepare=True, stop=stop)
+        want, _ = _two_chats(cold, prepare=False)
+        status = llm.cache_status()["counters"]
+    finally:
+        llm.close()
+        cold.close()
+    assert got == want
+    assert status["parked_ahead"] == 0
+    if steps == 0:
+        assert status["turns_prepared"] == 0 and len(asked) == 4
+    else:
+        assert status["turns_prepared"] > 0 and status["parked"] > 0
