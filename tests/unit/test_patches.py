@@ -52,6 +52,23 @@ def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
     from skippy_llama.roster import queue_digest
 
     assert queue_digest() in recorded
+    _assert_host_state_io_batches_device_copies(
+        (src / "vendor/llama.cpp/src/llama-context.cpp").read_text()
+    )
+
+
+def _assert_host_state_io_batches_device_copies(source: str) -> None:
+    """Patch 0005: the host state io queues device copies asynchronously, and every place that
+    builds one (the stock state calls and the skippy_* ones) hands it the context's backends;
+    one that did not would silently keep a synchronized copy per tensor on a GPU."""
+    for call in (
+        "ggml_backend_tensor_get_async(winfo.backend",
+        "ggml_backend_tensor_set_async(rinfo.backend",
+    ):
+        assert call in source
+    built = re.findall(r"llama_io_(?:write|read)_host(?:>\(|\s+io\()(.*?)\);", source)
+    assert len(built) >= 7, built  # state get/set, seq get/set (3), range export, append import
+    assert all("backends" in args for args in built), built
 
 
 def _sdist_unavailable(message: str) -> None:
