@@ -236,5 +236,6 @@ def test_a_request_waiting_stops_the_preparation_between_steps(
     assert status["parked_ahead"] == 0
     if steps == 0:
         assert status["turns_prepared"] == 0 and len(asked) == 4
-    else:  # (a reply inside one granule is not re-decoded: GPU builds may prepare nothing)
-        assert (status["turns_prepared"] > 0 or granule > 1) and status["parked"] > 0
+    else:  # GPU builds may prepare nothing (a reply inside one granule is not re-decoded)
+        # and checkpoint nothing (a short chat's checkpoint may not pay for itself there)
+        assert granule > 1 or (status["turns_prepared"] > 0 and status["parked"] > 0)
