@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import llama_cpp
 import numpy as np
+import numpy.typing as npt
 
 from ..config import Settings, load_settings
 from ..costs import CostModel
@@ -148,7 +149,8 @@ class SkippyLlama(llama_cpp.Llama):
             offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)
             self.seam.buffers.pinner = cuda_pinner(backend_name(), offloaded)
         window = int(llama_cpp.llama_model_n_swa(self._model.model))
-        self._sliding_window = window > 0
+        #: Whether the model attends through a sliding window (its cache is never cut back).
+        self.sliding_window = window > 0
         self.l1_budget_tokens = l1_budget(self, slots)
         self._kv_layout: KVLayout | None = None
         self._layout_read = False
@@ -258,6 +260,26 @@ class SkippyLlama(llama_cpp.Llama):
             self._scored = self.n_tokens
         batched = (len(tokens) >= 2 or self.lone_decodes_exact) and exact == before
         self._exact = self.aligned(self.n_tokens) if batched else exact
+
+    @property
+    def scored_tokens(self) -> int | None:
+        """Leading tokens whose logits rows are kept (``logits_all``), else None."""
+        return self._scored if self._logits_all else None
+
+    def keep_exact(self, n: int) -> None:
+        """Keep only the first ``n`` exact tokens of the working sequence (a restore is about
+        to write what follows)."""
+        self.n_tokens = self._exact = n
+        if self._logits_all:
+            self._scored = n
+
+    def adopt(self, n: int, restored: npt.NDArray[np.int32] | None) -> None:
+        """The working sequence holds ``n`` exact tokens: kept, or written by a restore of
+        ``restored`` (the prompt), whose logits the next eval computes."""
+        if restored is not None:
+            self.input_ids[:n] = restored[:n]
+            self._requires_eval = True
+        self.n_tokens = self._exact = n
 
     def drop_working(self) -> None:
         """Forget the working sequence: the next decode starts a cold prefill."""

@@ -29,8 +29,8 @@ def restore_prefix(
         live=llm.input_ids[:exact].astype(np.int32),
         live_cells=llm.seam.live_cells(),
         granule=llm.granule,
-        scored=llm._scored if llm._logits_all else None,
-        sliding_window=llm._sliding_window,
+        scored=llm.scored_tokens,
+        sliding_window=llm.sliding_window,
         can_append=cache.takes_records and llm.native_verdict.append_import,
     )
     plan = cache.plan(prompt)
@@ -44,17 +44,12 @@ def restore_prefix(
     event.lookup_ms = (time.perf_counter() - started) * 1e3 - event.park_ms
     # Llama.generate would reuse the live sequence up to the last token, generated tokens
     # included; only the exact part may be reused
-    llm.n_tokens = llm._exact = plan.keep
-    if llm._logits_all:
-        llm._scored = plan.keep
+    llm.keep_exact(plan.keep)
     restoring = time.perf_counter()
     append = prompt.can_append
     outcome = llm.seam.execute(plan, prompt, cache, llm.kv_layout, append=append)
     n = outcome.n_tokens
-    if outcome.restored:
-        llm.input_ids[:n] = tokens[:n]
-        llm._requires_eval = True
-    llm.n_tokens = llm._exact = n
+    llm.adopt(n, tokens if outcome.restored else None)
     event.restore_ms = (time.perf_counter() - restoring) * 1e3
     event.tier = outcome.tier
     event.cached_tokens = n

@@ -128,6 +128,7 @@ def test_resident_prefix_continued_by_l3_pages(
     assert np.array_equal(got, cold_logits(cold, prompt))
 
 
+@pytest.mark.certified_backend
 @pytest.mark.skipif(not PATCHED, reason="needs the patched llama.cpp build")
 def test_a_refused_append_falls_back_and_stays_exact(
     smollm2_path: Path,

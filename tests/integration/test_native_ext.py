@@ -173,6 +173,7 @@ def test_append_import_refuses_what_does_not_continue_and_changes_nothing(
     assert np.array_equal(reference, got), f"max |Δ| = {np.abs(reference - got).max()}"
 
 
+@pytest.mark.certified_backend
 def test_verdict_for_the_loaded_library(cold: llama_cpp.Llama) -> None:
     layout = parse_state(native.get_seq_state(cold.ctx, 0)).layout
     verdict = native_verdict("llama", native.backend_name(), layout)

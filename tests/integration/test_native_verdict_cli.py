@@ -57,6 +57,7 @@ def prompts(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.certified_backend
 @pytest.mark.parametrize(
     ("model", "architecture", "lanes"),
     [("gemma3_path", "gemma3", L1_ONLY), ("smollm2_path", "llama", LANES)],
@@ -94,6 +95,7 @@ def test_run_and_status_print_the_models_roster_verdict(
         assert report["native"]["library"] is None
 
 
+@pytest.mark.certified_backend
 def test_status_without_a_model_prints_the_library_and_roster(tmp_path: Path) -> None:
     out = _cli("kv-cache", "status", home=tmp_path).stdout
     assert "native verdict: give --model PATH or --package DIR" in out

@@ -176,20 +176,27 @@ def _two_chats(
     return texts, events
 
 
+def _against_cold(
+    llm: SkippyLlama, smollm2_path: Path, stop: Callable[[], bool] | None = None
+) -> tuple[list[str], list[str], list[object], dict[str, int], int]:
+    """``_two_chats`` on ``llm`` (prepared between turns, then closed) and on a cold model:
+    (llm's replies, the cold replies, llm's events, llm's counters, llm's granule)."""
+    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        got, events = _two_chats(llm, prepare=True, stop=stop)
+        want, _ = _two_chats(cold, prepare=False)
+        return got, want, events, llm.cache_status()["counters"], llm.granule
+    finally:
+        llm.close()
+        cold.close()
+
+
 def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: Path) -> None:
     """Interleaved chats with ``repair_generated=never`` (the server's default): a reply prepared
     before another user's turn is kept with its chat, so that chat's next turn reuses it, and
     the chat is checkpointed when prepared, not when the next request displaces it."""
     llm = _skippy(smollm2_path, repair_generated="never")
-    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
-    try:
-        got, events = _two_chats(llm, prepare=True)
-        want, _ = _two_chats(cold, prepare=False)
-        status = llm.cache_status()["counters"]
-        granule = llm.granule
-    finally:
-        llm.close()
-        cold.close()
+    got, want, events, status, granule = _against_cold(llm, smollm2_path)
     assert got == want
     assert all(isinstance(e, CacheEvent) and e.repaired_tokens == 0 for e in events)
     # (where the granule is over one token, a reply inside one granule is not re-decoded)
@@ -223,15 +230,7 @@ def test_a_request_waiting_stops_the_preparation_between_steps(
         asked.append(llm.prefix_cache.counters.turns_prepared)
         return steps == 0 or (len(asked) > 1 and asked[-1] != asked[-2])
 
-    cold = ColdLlama(str(smollm2_path), n_ctx=2048, verbose=False)
-    try:
-        got, _ = _two_chats(llm, prepare=True, stop=stop)
-        want, _ = _two_chats(cold, prepare=False)
-        status = llm.cache_status()["counters"]
-        granule = llm.granule
-    finally:
-        llm.close()
-        cold.close()
+    got, want, _, status, granule = _against_cold(llm, smollm2_path, stop)
     assert got == want
     assert status["parked_ahead"] == 0
     if steps == 0:

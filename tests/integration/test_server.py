@@ -274,6 +274,7 @@ def test_metrics_parse_and_count_requests_tokens_and_tiers(server: ServerProcess
         time.sleep(0.5)
 
 
+@pytest.mark.certified_backend
 def test_kv_cache_status_is_the_cli_status_plus_l1_l2(server: ServerProcess, l3_dir: Path) -> None:
     status = _get(server, "/v1/kv-cache/status")
     cli = subprocess.run(
