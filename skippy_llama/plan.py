@@ -238,10 +238,9 @@ class Planner:
             steps = [PathStep(key, parent, p, p) for key, parent in pairs]
             pos = held.depth * p
             tail = best_child(held.children, parents[-1], prompt.tokens[pos:limit])
-            if tail is not None:
-                steps.append(tail)
             end = parents[-1]
-            if tail is not None:  # as walk() ends a path: the node after the used tokens
+            if tail is not None:  # as walk() ends a path: at the node after the used tokens
+                steps.append(tail)
                 cut = prompt.tokens[pos : pos + tail.used]
                 end = tail.key if tail.used == tail.n_tokens else chain_key(end, cut)
             path = PagePath(tuple(steps), end)
