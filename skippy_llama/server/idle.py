@@ -30,17 +30,15 @@ from llama_cpp.server.app import get_llama_proxy, llama_inner_lock, llama_outer_
 from .state import ServingState
 
 
+def _waiting(state: ServingState) -> bool:
+    """A request was admitted to the queue and has not finished (it holds or awaits the model)."""
+    return state.queue.status().inflight > 0
+
+
 def _busy(state: ServingState) -> bool:
     """A request holds the model or waits for it: upstream's double lock, or a request admitted
     to the queue that has not reached the lock yet (its body still being read)."""
-    return (
-        llama_outer_lock.locked() or llama_inner_lock.locked() or state.queue.status().inflight > 0
-    )
-
-
-def _waiting(state: ServingState) -> bool:
-    """A request was admitted and waits for the model (the idle work is holding it)."""
-    return state.queue.status().inflight > 0
+    return llama_outer_lock.locked() or llama_inner_lock.locked() or _waiting(state)
 
 
 async def prepare_when_idle(state: ServingState, after: float) -> None:

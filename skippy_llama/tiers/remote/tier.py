@@ -256,13 +256,14 @@ class RemoteTier:
             if not hit:
                 break
             depth += 1
-        entries = found[-1] if depth == len(keys) else None
-        if 0 < depth < len(keys):
-            name = self.keys.children(ident, keys[depth - 1])
-            entries = self._run("match", functools.partial(self._client.hgetall, name))
         children: tuple[tuple[bytes, bytes], ...] = ()
-        if depth and entries:
-            children = self._verified_children(self.keys.children(ident, keys[depth - 1]), entries)
+        if depth:
+            index = self.keys.children(ident, keys[depth - 1])
+            entries = found[-1] if depth == len(keys) else None
+            if entries is None:
+                entries = self._run("match", functools.partial(self._client.hgetall, index))
+            if entries:
+                children = self._verified_children(index, entries)
         self._add("hits" if depth else "misses")
         self._add("pages_matched", depth)
         return RemoteMatch(depth, children)
