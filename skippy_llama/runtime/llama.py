@@ -138,12 +138,13 @@ class SkippyLlama(llama_cpp.Llama):
         #: Whether a token decoded alone leaves the cells and logits a batched prefill gives it
         #: (probed at load): then a reply is reusable as generated, and nothing is repaired.
         self.lone_decodes_exact = self.granule == 1 and probes.lone_decodes_exact(self)
-        #: A record of the working sequence waits while the sequence only grew from the last
-        #: record made and fewer than this many tokens are unrecorded (0: never waits). On a GPU
-        #: build a capture pays one synchronized device copy per layer and K/V however few
-        #: tokens it takes (~1 ms each on an H200); the record is made before the sequence is
-        #: left or cleared, in ``prepare_next_turn`` and in ``close``, so an orderly exit loses
-        #: nothing. On the CPU a capture is a memcpy: nothing to save.
+        #: A record of the working sequence waits while fewer than this many of its tokens are
+        #: unrecorded (0: never waits; GPU builds: always). On a GPU build a capture copies
+        #: from the device (one synchronized copy per layer and K/V on a stock build, ~1 ms
+        #: each on an H200), which must not sit between a reply and the next request; the
+        #: record is made before another prompt takes the sequence, in ``prepare_next_turn``
+        #: and in ``close``, so an orderly exit loses nothing. On the CPU a capture is a
+        #: memcpy: nothing to save.
         self.defer_record_tokens = 0 if backend_name() == "CPU" else DEFER_RECORD_TOKENS
         if settings.pin_host_buffers:
             offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)

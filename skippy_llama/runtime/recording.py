@@ -1,9 +1,10 @@
 """L3 records of the working sequence: what to capture, when, and handing it to the cache.
 
 Only what the record-taking tiers lack is captured: the record continues the stored page tree
-where the prompt leaves it, and only the cells of its new pages are serialized. On GPU builds a
-record of a sequence that only grew waits (``SkippyLlama.defer_record_tokens``) and is made
-before the sequence is left or cleared, or while idle.
+where the prompt leaves it, and only the cells of its new pages are serialized. On GPU builds
+every record waits (``SkippyLlama.defer_record_tokens``): the capture is made before another
+prompt takes the sequence (on that request, which must keep the cells first), while idle
+(``prepare_next_turn``), or on ``close``, never between a reply and the request after it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from ..state import parse_state
 if TYPE_CHECKING:
     from .llama import SkippyLlama
 
-#: On GPU builds the record of a sequence that grew from its last record waits until this
-#: many tokens are unrecorded (see ``SkippyLlama.defer_record_tokens``).
-DEFER_RECORD_TOKENS = 2048
+#: On GPU builds a record waits while fewer than this many of its tokens are unrecorded: always,
+#: since no sequence is that long (see ``SkippyLlama.defer_record_tokens``). Issue 36: captured
+#: right after each reply, a 32k-token prefix cost 0.84 of a cold prefill on an H200 before the
+#: next request could start.
+DEFER_RECORD_TOKENS = 1 << 30
 #: Prompt tokens always decoded, never restored (see ``SkippyLlama``): a repeat of a prompt
 #: reuses all but these.
 DECODED_SUFFIX = 2
@@ -57,13 +60,19 @@ class Recorder:
         self.record(point)
 
     def _may_wait(self, point: int) -> bool:
-        """Whether the record up to ``point`` may wait (see ``defer_record_tokens``)."""
+        """Whether the record up to ``point`` may wait (see ``defer_record_tokens``): while
+        fewer than that many tokens past the last record it continues are unrecorded."""
+        bound = self.llm.defer_record_tokens
+        if bound <= 0 or point <= 0:
+            return False
         base = self.recorded
-        return (
+        continued = (
             base is not None
-            and 0 < len(base) <= point < len(base) + self.llm.defer_record_tokens
+            and len(base) <= point
             and np.array_equal(self.llm.input_ids[: len(base)], base)
         )
+        covered = len(base) if continued and base is not None else 0
+        return point - covered < bound
 
     def unless_continued(self, tokens: np.ndarray[Any, np.dtype[np.int32]]) -> None:
         """Make a waiting record now, unless ``tokens`` (the next prompt) continue it."""

@@ -1,7 +1,8 @@
-"""L3 records that wait while a sequence only grows (``SkippyLlama.defer_record_tokens``).
+"""L3 records that wait (``SkippyLlama.defer_record_tokens``).
 
-On GPU builds a linear chat's turns are captured a few at a time; the CPU build records every
-turn by default, so these tests turn the deferral on to exercise it with the real model. Every
+On GPU builds no capture sits between a reply and the next request: a record is made when
+another prompt takes the sequence, while idle or on close; the CPU build records every turn by
+default, so these tests turn the deferral on to exercise it with the real model. Every
 output is compared with plain ``llama_cpp.Llama`` prefilling each prompt cold, and what reached
 L3 is read back by a fresh object with L1 off (a restart).
 """
@@ -112,9 +113,9 @@ def test_a_growing_sequence_is_recorded_once_on_close_with_cold_outputs(
     with deferring(smollm2_path, tmp_path / "l3") as llm:
         prompts, outputs = continuation(llm)
         counters = llm.prefix_cache.counters
-        # the first turn is recorded; the later ones only grew from it, so they wait
-        assert (counters.records, counters.records_deferred) == (1, len(MORE))
-    assert counters.records == 2
+        # no turn captured anything: each one's record waited, the later ones replacing it
+        assert (counters.records, counters.records_deferred) == (0, len(MORE) + 1)
+    assert counters.records == 1
     assert outputs == cold(smollm2_path, prompts)
 
     answer, event = restored(smollm2_path, tmp_path / "l3", prompts[-1])
@@ -128,9 +129,10 @@ def test_a_waiting_record_is_made_before_another_prompt_takes_the_sequence(
     with deferring(smollm2_path, tmp_path / "l3") as llm:
         prompts, outputs = continuation(llm, turns=2)
         counters = llm.prefix_cache.counters
-        assert counters.records_deferred == 2 and counters.records == 1
+        assert counters.records_deferred == 3 and counters.records == 0
         other = complete(llm, OTHER)
-        assert counters.records == 3  # the waiting one, then the other prompt's
+        # the waiting one, made before OTHER took the cells; OTHER's own record waits
+        assert (counters.records, counters.records_deferred) == (1, 4)
         disk = llm.prefix_cache.disk
         assert disk is not None and disk.flush(60)
         # read back while this process still runs: nothing waited for close()
@@ -143,11 +145,11 @@ def test_prepare_next_turn_makes_the_waiting_record(smollm2_path: Path, tmp_path
     with deferring(smollm2_path, tmp_path / "l3") as llm:
         continuation(llm, turns=1)
         counters = llm.prefix_cache.counters
-        assert (counters.records, counters.records_deferred) == (1, 1)
+        assert (counters.records, counters.records_deferred) == (0, 2)
         llm.prepare_next_turn()
-        assert counters.records == 2
+        assert counters.records == 1
         llm.prepare_next_turn()
-        assert counters.records == 2  # nothing waits any more
+        assert counters.records == 1  # nothing waits any more
 
 
 def test_a_record_waits_only_below_its_token_bound(smollm2_path: Path, tmp_path: Path) -> None:
@@ -163,9 +165,9 @@ def test_cells_cleared_behind_the_cache_are_never_recorded(
 ) -> None:
     with deferring(smollm2_path, tmp_path / "l3") as llm:
         prompts, outputs = continuation(llm, turns=1)
-        assert llm.prefix_cache.counters.records_deferred == 1
+        assert llm.prefix_cache.counters.records_deferred == 2
         llm._ctx.kv_cache_clear()  # what llama-cpp-python's multimodal handlers do
         llm.reset()  # leaves the sequence: the waiting record finds no cells to capture
-        assert llm.prefix_cache.counters.records == 1
+        assert llm.prefix_cache.counters.records == 0
     answer, _ = restored(smollm2_path, tmp_path / "l3", prompts[-1])
     assert answer == outputs[-1] == cold(smollm2_path, prompts[-1:])[0]
