@@ -26,6 +26,7 @@ import numpy.typing as npt
 from .costs import CostModel
 from .identity import CacheIdentity, chain_key, token_bytes
 from .plan import FetchedPage, Planner, Prompt, RestoreOutcome, RestorePlan
+from .prefetch import Prefetcher, PrefetchResult
 from .state import SequenceState, slice_state, sort_by_position
 from .tiers.base import PageTier, PathStep, ResidentTier, Tier, walk
 from .tiers.l3.tier import DiskTier
@@ -61,6 +62,12 @@ class CacheCounters:
     #: replies re-decoded between requests (``SkippyLlama.prepare_next_turn``) and their tokens
     turns_prepared: int = 0
     tokens_prepared: int = 0
+    #: prefetches asked for (:meth:`PrefixCache.prefetch`), the L3 pages they copied into L2
+    #: and their bytes, and those that ended on an L3 miss or a fault
+    prefetches: int = 0
+    prefetched_pages: int = 0
+    prefetched_bytes: int = 0
+    prefetch_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class PrefixCache:
         self.bytes_per_token = bytes_per_token
         self.planner = Planner(self.root, page_tokens, self.tiers, self.costs, bytes_per_token)
         self.counters = CacheCounters()
+        self._prefetcher = Prefetcher(self)
         takes = [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records]
         self.trace = TraceWriter.from_settings(trace_file, page_tokens) if takes else None
         if self.trace is not None:
@@ -218,6 +226,22 @@ class PrefixCache:
             for tier in self.tiers[:depth]:
                 if isinstance(tier, PageTier):
                     tier.promote(page.key, page.payload, n)
+
+    def prefetch(
+        self, tokens: Sequence[int] | Tokens, *, stop: Callable[[], bool] | None = None
+    ) -> PrefetchResult:
+        """Copy the L3 pages of ``tokens``' stored prefix that L2 lacks into L2, ahead of the
+        request that will want them (see :mod:`skippy_llama.prefetch`).
+
+        Safe on any thread beside a request: it touches neither llama.cpp nor L1. Never
+        raises: a tier fault ends it as a counted miss (``prefetch_misses``). A no-op
+        (``stopped == "off"``) when L2 or L3 is off.
+
+        Args:
+            tokens: the prompt's tokens, as the request will tokenize it.
+            stop: asked before each L3 read; once it returns True the prefetch ends there.
+        """
+        return self._prefetcher(tokens, stop)
 
     def fallback(self, reason: str) -> None:
         """Count a fault outside a restore (a record, a park) that was turned into nothing."""

@@ -12,6 +12,7 @@ from ..runtime.llama import SkippyLlama
 from .items import BatchItem
 from .order import prefix_order
 from .output import OutputFile
+from .prefetch import NextItemPrefetch
 
 #: prefills shorter than this say more about per-call overhead than about the prefill rate
 MIN_RATE_TOKENS = 32
@@ -125,7 +126,9 @@ def run_batch(
 ) -> BatchSummary:
     """Run every item not yet in ``out``, appending one record per item as it finishes.
 
-    An item that fails gets ``{"id": ..., "error": "..."}`` and the batch goes on.
+    An item that fails gets ``{"id": ..., "error": "..."}`` and the batch goes on. With L2 and
+    L3 on, the next item's stored pages are prefetched into L2 while an item runs
+    (:mod:`.prefetch`).
     """
     done_ids = out.finished_ids({item.id for item in items})
     order = [i for i in order_items(llm, items, keep_order) if items[i].id not in done_ids]
@@ -133,9 +136,13 @@ def run_batch(
     started = time.perf_counter()
     prompt_tokens = cached_tokens = errors = 0
     rate_tokens, rate_ms, restore_ms = 0, 0.0, 0.0
+    ahead = NextItemPrefetch(llm)
     try:
         for n, index in enumerate(order, start=1):
             item = items[index]
+            ahead.wait()  # this item's own prefetch lands first: its request reads L2 then
+            if n < len(order):
+                ahead.start(items[order[n]])  # the next item's pages, while this one runs
             llm.last_cache_event = None
             try:
                 record = _output(item, _call(llm, item, max_tokens, temperature))
@@ -153,6 +160,7 @@ def run_batch(
             out.write(record)
             bar.update(n, prompt_tokens, cached_tokens, f"id {item.id}")
     finally:
+        ahead.close()
         out.close()
     elapsed = time.perf_counter() - started
     est_cold = (

@@ -32,6 +32,7 @@ from ..identity import paging_refusal
 from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
 from ..pinned import cuda_pinner
+from ..prefetch import PrefetchResult
 from ..roster import Verdict
 from ..state import KVLayout
 from ..tiers.factory import wants_pages
@@ -40,6 +41,7 @@ from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
 from .layout import read_layout, verdict
+from .prompt_tokens import completion_tokens
 from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder
 from .restore import restore_prefix
 from .seam import KVSeam, backend_name
@@ -393,6 +395,41 @@ class SkippyLlama(llama_cpp.Llama):
             the tokens decoded: 0 when there is nothing to do.
         """
         return repair.prepare_next_turn(self, stop)
+
+    def prefetch(
+        self,
+        prompt: str | Sequence[int] | npt.NDArray[np.int32],
+        *,
+        stop: Callable[[], bool] | None = None,
+    ) -> PrefetchResult:
+        """Bring the L3 pages of a prompt that is likely to come next into L2, so that its
+        request restores from RAM instead of disk. Outputs do not change.
+
+        A no-op (``stopped == "off"``) unless both L2 and L3 are on. Never raises: a failing
+        tier is a counted miss (``cache_status()["counters"]["prefetch_misses"]``). It neither
+        decodes nor touches the working sequence or L1, so with token ids it may run on another
+        thread while this object serves a request (text is tokenized here first).
+
+        Args:
+            prompt: a completion prompt as text (tokenized as ``create_completion`` does) or
+                the token ids the request will use.
+            stop: asked before each L3 read; once it returns True the prefetch ends there.
+
+        Returns:
+            what it did: pages and bytes copied, tokens L2 now covers, why it stopped.
+
+        Example:
+            >>> llm.prefetch(next_prompt).stopped
+            'complete'
+        """
+        if not self.caching:
+            return PrefetchResult(stopped="off")
+        try:
+            tokens = completion_tokens(self, prompt) if isinstance(prompt, str) else prompt
+        except Exception as exc:  # text llama.cpp cannot tokenize: the request will say so
+            log.warning("skippy-llama: prefetch could not tokenize the prompt (%s)", exc)
+            return PrefetchResult(stopped="error")
+        return self.prefix_cache.prefetch(tokens, stop=stop)
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         """``Llama.create_completion`` whose usage reports ``prompt_tokens_details.cached_tokens``."""

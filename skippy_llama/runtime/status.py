@@ -47,5 +47,9 @@ def cache_status(llm: SkippyLlama) -> dict[str, Any]:
             "restores_skipped": counters.restores_skipped,
             "turns_prepared": counters.turns_prepared,
             "tokens_prepared": counters.tokens_prepared,
+            "prefetches": counters.prefetches,
+            "prefetched_pages": counters.prefetched_pages,
+            "prefetched_bytes": counters.prefetched_bytes,
+            "prefetch_misses": counters.prefetch_misses,
         },
     }

@@ -17,17 +17,31 @@ back-to-back turns and took 49 of 1,961 model-thread samples (repair 40, checkpo
 the next request waited for; decoding took 94 %. It now also waits while any request is admitted
 to the queue (:mod:`.queue`), which counts a request from its arrival, before it reaches the
 model lock, and gives up the lock it won if one was admitted meanwhile.
+
+After that, with L2 and L3 both on, the same gap prefetches (:meth:`SkippyLlama.prefetch`) the
+conversations served most recently (:mod:`.recent`) that are neither in the working sequence nor
+resident in L1: their next turns would otherwise restore from disk. A request that arrives
+meanwhile waits for one L3 read at most (the prefetch asks the same ``stop`` before each read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import anyio
+import numpy as np
 from llama_cpp.server.app import get_llama_proxy, llama_inner_lock, llama_outer_lock
 
+from ..prefetch import PrefetchResult
+from ..runtime.llama import SkippyLlama
+from ..tiers.base import common_prefix
+from .recent import RecentConversations, Tokens
 from .state import ServingState
+
+#: Conversations prefetched in one idle gap at most (the most recent ones not resident).
+PREFETCH_CONVERSATIONS = 4
 
 
 def _waiting(state: ServingState) -> bool:
@@ -60,4 +74,37 @@ async def prepare_when_idle(state: ServingState, after: float) -> None:
                 # fail-open inside: a failed repair is counted and the reply is prefilled later;
                 # a request admitted meanwhile waits for one step of it at most
                 await state.worker.run(llm.prepare_next_turn, lambda: _waiting(state))
+                await state.worker.run(prefetch_recent, llm, state.recent, lambda: _waiting(state))
         prepared = finished
+
+
+def _resident(llm: SkippyLlama, tokens: Tokens) -> bool:
+    """The working sequence or an L1 checkpoint holds all of ``tokens`` but less than a page
+    (model thread only: L1 and the working sequence change under requests)."""
+    cache = llm.prefix_cache
+    need = len(tokens) - cache.page_tokens
+    live = np.asarray(llm.input_ids[: llm.live_exact()], dtype=np.int32)
+    if common_prefix(live, tokens) >= need:
+        return True
+    resident = cache.resident
+    hit = resident.match(cache.root, tokens, len(tokens)) if resident is not None else None
+    return hit is not None and hit.n_tokens >= need
+
+
+def prefetch_recent(
+    llm: SkippyLlama, recent: RecentConversations, stop: Callable[[], bool]
+) -> list[PrefetchResult]:
+    """Prefetch the L3 pages of the most recent conversations that are not resident, up to
+    :data:`PREFETCH_CONVERSATIONS` of them, most recent first; ``stop`` is asked before each
+    conversation and each L3 read. Runs on the model thread. Returns what each prefetch did
+    (nothing when L2 or L3 is off)."""
+    cache = llm.prefix_cache
+    if not llm.caching or cache.ram is None or cache.disk is None:
+        return []
+    results: list[PrefetchResult] = []
+    for tokens in recent.latest(len(recent)):
+        if len(results) >= PREFETCH_CONVERSATIONS or stop():
+            break
+        if not _resident(llm, tokens):
+            results.append(llm.prefetch(tokens, stop=stop))
+    return results

@@ -52,6 +52,12 @@ class _TierCollector(Collector):
         )
         prepared.add_metric([], snap.turns_prepared)
         yield prepared
+        prefetched = CounterMetricFamily(
+            "skippy_prefetched_pages",
+            "L3 pages copied into L2 between requests for the conversations likely next",
+        )
+        prefetched.add_metric([], snap.prefetched_pages)
+        yield prefetched
 
         l1 = snap.l1
         yield _gauge("skippy_l1_resident_prefixes", "Prefixes resident in the context", l1.prefixes)

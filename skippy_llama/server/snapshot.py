@@ -56,6 +56,11 @@ class TierSnapshot:
     tokens_prepared: int = 0
     #: conversations checkpointed while the server was idle (not by the request leaving them)
     parked_ahead: int = 0
+    #: prefetches of likely-next conversations' L3 pages into L2, their pages, bytes and misses
+    prefetches: int = 0
+    prefetched_pages: int = 0
+    prefetched_bytes: int = 0
+    prefetch_misses: int = 0
     #: the status (JSON) of every other tier, by name (the remote tier, registered tiers)
     others: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -69,6 +74,10 @@ class TierSnapshot:
             "turns_prepared": self.turns_prepared,
             "tokens_prepared": self.tokens_prepared,
             "parked_ahead": self.parked_ahead,
+            "prefetches": self.prefetches,
+            "prefetched_pages": self.prefetched_pages,
+            "prefetched_bytes": self.prefetched_bytes,
+            "prefetch_misses": self.prefetch_misses,
         }
 
 
@@ -122,6 +131,10 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
         turns_prepared=counters.turns_prepared,
         tokens_prepared=counters.tokens_prepared,
         parked_ahead=counters.parked_ahead,
+        prefetches=counters.prefetches,
+        prefetched_pages=counters.prefetched_pages,
+        prefetched_bytes=counters.prefetched_bytes,
+        prefetch_misses=counters.prefetch_misses,
         others={
             name: status.to_json()
             for name, status in statuses.items()

@@ -16,6 +16,7 @@ from .memory import MemoryPlan
 from .metrics import ServerMetrics, record_from_event
 from .proxy import ServedLlama, SkippyLlamaProxy
 from .queue import RequestQueue
+from .recent import RecentConversations
 from .snapshot import SnapshotCache
 from .worker import ModelThread
 
@@ -41,6 +42,8 @@ class ServingState:
     #: the idle work (:mod:`.idle`) runs in the gaps between them
     requests_finished: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+    #: the conversations served last, as tokens (what the idle work prefetches)
+    recent: RecentConversations = field(default_factory=RecentConversations)
 
     def __post_init__(self) -> None:
         self.snapshots = SnapshotCache(self.model)
@@ -53,7 +56,9 @@ class ServingState:
         return None if self.closed else self.proxy.current()
 
     def observe(self, endpoint: str, at: float, llm: ServedLlama, outcome: str) -> None:
-        """Count a finished request in the metrics and the status page's history."""
+        """Count a finished request in the metrics and the status page's history, and note
+        its conversation (called on the model thread, where the working sequence is stable)."""
+        self.recent.add(llm.input_ids[: llm.n_tokens])
         self.requests_finished += 1
         self.last_activity = time.monotonic()
         record = record_from_event(

@@ -11,6 +11,15 @@ its second fill within ten minutes, or at once when it belongs to a prefix of at
 (long prefixes are the ones whose reads hurt); payloads over 64 MiB never are. The budget is charged
 by distinct bytes: pages are keyed by their chain key, so a page shared by many prefixes is held
 and charged once.
+
+A prefetch (:meth:`RamTier.prefetch_fill`, from :meth:`skippy_llama.cache.PrefixCache.prefetch`) is
+an explicit prediction that a prompt comes next, so it skips the first-fill rule, but it may only
+take room that nobody is about to use: it evicts least-recently-used pages except the prompt's own
+and the pages an earlier prefetch predicted within the promotion window that no request has used
+yet (``predicted``); when that does not free enough room, the page is refused and the prefetch
+stops. So a less likely prediction never displaces a more likely one made before it, a prefetch
+larger than the budget never evicts its own first pages, and stale predictions stop blocking
+after ``promote_window_s``. Real fills keep plain LRU over everything: demand beats prediction.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from .records import PrefixRecord, RamStatus
 
@@ -42,6 +51,10 @@ LARGE_PREFIX_TOKENS = 4096
 MAX_PAYLOAD_BYTES = 64 * MiB
 #: How many first fills are remembered while waiting for a second one.
 MAX_SEEN = 65536
+
+#: What :meth:`RamTier.prefetch_fill` did with a page: ``added``, ``held`` (L2 had the same
+#: bytes), ``too_large`` (over the payload cap) or ``full`` (no room it may take).
+PrefetchFill = Literal["added", "held", "too_large", "full"]
 
 
 class RamTier:
@@ -78,6 +91,8 @@ class RamTier:
         # key -> (payload, L3 digest); order = LRU (first) to MRU (last)
         self._pages: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # key -> time of first fill
+        # key -> when a prefetch predicted it; dropped on its first hit (see the module docstring)
+        self._predicted: dict[bytes, float] = {}
         self._used = 0
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
@@ -91,6 +106,9 @@ class RamTier:
                 "evictions",
                 "invalidations",
                 "digest_mismatches",
+                "prefetched",
+                "prefetch_hits",
+                "prefetch_refused",
             ),
             0,
         )
@@ -171,7 +189,77 @@ class RamTier:
                 return None
             self._pages.move_to_end(key)
             self._counts["hits"] += 1
+            if self._predicted.pop(key, None) is not None:
+                self._counts["prefetch_hits"] += 1  # a prediction came true; now a plain page
             return payload
+
+    def prefetch_fill(
+        self,
+        key: bytes,
+        payload: bytes | memoryview,
+        digest: bytes,
+        protect: frozenset[bytes] | set[bytes] = frozenset(),
+    ) -> PrefetchFill:
+        """Admit a page a prefetch read from L3, as a prediction (see the module docstring).
+
+        Args:
+            key: the page's chain key.
+            payload: the verified bytes L3 returned (copied: a view into a read buffer is fine).
+            digest: L3's digest of those bytes, from the same read.
+            protect: pages this prefetch must not evict (the rest of the same prompt's path).
+        """
+        size = len(payload)
+        with self._lock:
+            now = self._clock()
+            if key in self._pages:
+                if self._pages[key][1] == digest:
+                    self._pages.move_to_end(key)
+                    self._predicted[key] = now
+                    return "held"
+                self._drop(key)  # L3 rewrote the page: the old copy is stale
+            if size > self._max_payload:
+                self._counts["rejected_too_large"] += 1
+                return "too_large"
+            need = self._used + size - self.budget_bytes
+            victims: list[bytes] = []
+            if need > 0:
+                for old, (data, _) in self._pages.items():  # LRU first
+                    if old in protect or self._is_predicted(old, now):
+                        continue
+                    victims.append(old)
+                    need -= len(data)
+                    if need <= 0:
+                        break
+            if need > 0:
+                self._counts["prefetch_refused"] += 1
+                return "full"
+            for old in victims:
+                self._drop(old)
+                self._counts["evictions"] += 1
+            self._seen.pop(key, None)
+            self._pages[key] = (payload if isinstance(payload, bytes) else bytes(payload), digest)
+            self._used += size
+            self._predicted[key] = now
+            self._counts["prefetched"] += 1
+            return "added"
+
+    def predict(self, keys: Sequence[bytes]) -> int:
+        """Mark the pages of ``keys`` that L2 holds as predicted (a prefetch found them here):
+        they become the most recently used and later prefetches leave them alone. Returns how
+        many were held."""
+        held = 0
+        with self._lock:
+            now = self._clock()
+            for key in keys:
+                if key in self._pages:
+                    self._pages.move_to_end(key)
+                    self._predicted[key] = now
+                    held += 1
+        return held
+
+    def _is_predicted(self, key: bytes, now: float) -> bool:
+        at = self._predicted.get(key)
+        return at is not None and now - at <= self._window
 
     # -- the page-tier protocol (tiers/base.py) ---------------------------------------------
 
@@ -224,11 +312,13 @@ class RamTier:
         with self._lock:
             self._pages.clear()
             self._seen.clear()
+            self._predicted.clear()
             self._used = 0
 
     def _drop(self, key: bytes) -> None:
         payload, _ = self._pages.pop(key)
         self._used -= len(payload)
+        self._predicted.pop(key, None)
 
     def status(self) -> RamStatus:
         """Budget, usage and counters."""

@@ -319,3 +319,6 @@ class RamStatus(_Json):
     evictions: int = 0
     invalidations: int = 0  # L3 removed the page
     digest_mismatches: int = 0  # L3 holds different bytes now: the copy was dropped
+    prefetched: int = 0  # pages a prefetch copied in ahead of a request
+    prefetch_hits: int = 0  # hits on pages a prefetch predicted (copied in or found held)
+    prefetch_refused: int = 0  # pages a prefetch left out: no room it was allowed to take

@@ -34,7 +34,7 @@ from .maintain import Maintenance
 from .pins import Pins
 from .policies import make_policy
 from .policy_api import Policy
-from .reader import Reader
+from .reader import Reader, ReadResult
 from .reconcile import Reconciler
 from .recorder import Recorder
 from .schema import META
@@ -292,21 +292,30 @@ class DiskTier:
         """Decoded pages of the longest prefix of ``keys`` that exists and verifies (see
         ``reader.py`` for what happens to a page that does not, and how long a view stays
         valid). Never raises."""
+        return self._read(keys).pages
+
+    def read_with_digests(self, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
+        """:meth:`read`, each page with the digest its read verified (what L2 keeps beside a
+        copy; asking :meth:`digest` afterwards could answer for bytes written since)."""
+        result = self._read(keys)
+        return [(page, meta.digest) for page, meta in zip(result.pages, result.metas, strict=False)]
+
+    def _read(self, keys: Sequence[bytes]) -> ReadResult:
         counters = self._parts.counters
         if not self.serving or not keys:
             counters.add("misses")
-            return []
+            return ReadResult([], [])
         result = self._reader.read(keys)
         if not result.pages:
             counters.add("misses")
-            return []
+            return ReadResult([], [])
         self._parts.health.ok()
         counters.add("hits")
         counters.add("pages_read", len(result.pages))
         counters.add("bytes_read", sum(m.size for m in result.metas))
         if self._parts.rw_ok:
             self._writer.start()  # stores the hits
-        return result.pages
+        return result
 
     def holds(self, key: bytes, *, queued: bool = False) -> bool:
         """:meth:`contains` under the page-tier protocol's name."""
