@@ -498,5 +498,5 @@ class SkippyLlama(llama_cpp.Llama):
             cache.close()
         seam = getattr(self, "seam", None)
         if seam is not None:
-            seam.buffers.clear()
+            seam.close()
         super().close()
