@@ -127,9 +127,11 @@ def _models(names: list[str] | None = None) -> list[Model]:
 def _llama(model: Path, layout: Layout, n_seq_max: int = 1) -> llama_cpp.Llama:
     # the runtime's own context adjustment: n_seq_max sequences in one unified cache
     with adjusted(n_seq_max):
+        # every layer offloaded on a GPU build (its KV cache on the device, as users run it);
+        # a CPU build ignores it
         return llama_cpp.Llama(
             str(model), n_ctx=1024, n_batch=512, type_k=layout.type_k, type_v=layout.type_v,
-            flash_attn=layout.flash_attn, swa_full=True, verbose=False,
+            flash_attn=layout.flash_attn, swa_full=True, n_gpu_layers=-1, verbose=False,
         )  # fmt: skip
 
 
