@@ -7,10 +7,13 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
 - L1: the prefix checkpointed in the live context, restored, then the 64-token suffix;
 - L3: a second model object reading the pages the first recorded (page cache warm), twice:
   the first restore of a fresh process (reported), then one with its buffers reused (``runs``);
+  ``l3_one_import`` the same with the restore read whole and imported whole (where the append
+  import is certified, a restore of more than ``seam.PIPELINE_BYTES`` is otherwise pipelined);
 - L2: a third object with L1 off, its second request served from the RAM mirror;
 
-with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), and
-the time of the L3 record after a request. ``--chat`` adds a linear raw-text chat (turns of
+with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), the
+time of the L3 record after a request (``record_s``: on the request path; nothing where records
+wait, as on GPU builds) and of the waiting record when it is made (``waiting_record_s``). ``--chat`` adds a linear raw-text chat (turns of
 ``--turn`` new tokens, 48-token greedy replies; ``--chat 8192 32000`` for several lengths) for
 plain Llama, SkippyLlama defaults and SkippyLlama with L3 on (``--chat-modes``), in one process,
 ``--rounds`` interleaved rounds: total and last-turn time over plain's, the time spent in
@@ -34,7 +37,7 @@ import numpy as np
 
 from skippy_llama import hostmem
 from skippy_llama.config import Settings
-from skippy_llama.runtime import native
+from skippy_llama.runtime import native, seam
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
@@ -73,6 +76,7 @@ def bench_size(
     cold = _logits(plain)
     plain.close()
     row: dict[str, Any] = {"tokens": n, "cold_s": round(cold_s, 4)}
+    pipeline_bytes = seam.PIPELINE_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp)
         recorder = SkippyLlama(model, cache_settings=_settings(store, l1=False), **common)
@@ -86,6 +90,11 @@ def bench_size(
 
         recorder.recorder.after_request = timed_record  # type: ignore[method-assign]
         recorder.eval(base)  # L3 gets the prefix (all but its last two tokens)
+        # a GPU build's record waits (off the request path): made here, as idle time or
+        # close() would make it
+        started = time.perf_counter()
+        recorder.recorder.flush()
+        waited_s = time.perf_counter() - started
         recorder.close()
         sk = SkippyLlama(model, cache_settings=Settings(), **common)
         sk.eval(base)
@@ -100,14 +109,22 @@ def bench_size(
         }
         row["record_s"] = round(record_s[0], 4) if record_s else None
         row["record_over_cold"] = round(record_s[0] / cold_s, 4) if record_s else None
+        row["waiting_record_s"] = round(waited_s, 4)
         sk.close()
-        for tier, kwargs in (("l3", {"l1": False}), ("l2", {"l1": False, "l2": "32GiB"})):
+        tiers: list[tuple[str, dict[str, Any]]] = [
+            ("l3", {"l1": False}),
+            ("l3_one_import", {"l1": False}),
+            ("l2", {"l1": False, "l2": "32GiB"}),
+        ]
+        for tier, kwargs in tiers:
+            # l3_one_import: the same restore read whole, then imported whole (no pipeline)
+            seam.PIPELINE_BYTES = 1 << 62 if tier == "l3_one_import" else pipeline_bytes
             llm = SkippyLlama(model, cache_settings=_settings(store, **kwargs), **common)
             # L3: the first restore of a fresh process (a restart: its buffers are new), then a
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last run reads it
             runs = []
-            for _ in range(3 if tier == "l2" else 2):
+            for _ in range(2 if tier.startswith("l3") else 3):
                 seconds = _timed_eval(llm, query)
                 event = llm.last_cache_event
                 runs.append(
@@ -119,9 +136,10 @@ def bench_size(
                         "max_abs_dlogit": float(np.abs(_logits(llm) - cold).max()),
                     }
                 )
-            row[tier] = {**runs[0 if tier == "l3" else -1], "runs": runs}
+            row[tier] = {**runs[0 if tier.startswith("l3") else -1], "runs": runs}
             row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
             llm.close()
+        seam.PIPELINE_BYTES = pipeline_bytes
     return row
 
 

@@ -1,6 +1,9 @@
 """Certify the patched llama.cpp on real models and write roster/split-certified.json.
 
     python scripts/certify.py            run every lane per model and KV layout, write the roster
+                                         (rows of other backends under the same patch queue are
+                                         kept: run it on each backend, e.g. on a CUDA machine
+                                         with --models smollm2 where Gemma 3 is not installed)
     python scripts/certify.py --check    fail (exit 1) when the roster does not match this checkout's
                                          patch queue and recipe, was edited by hand, or (on a patched
                                          library) the loaded library was built from another queue
@@ -109,20 +112,26 @@ class Model:
     split: tuple[int, int, int]
 
 
-def _models() -> list[Model]:
-    return [
-        Model("SmolLM2-135M-Instruct.Q4_1", default_model_path(), (128, 192, 300)),
-        # past Gemma 3's 512-token window, where the sliding-window layers drop cells
-        Model("gemma-3-270m-q4_k_m", gemma3_model_path(), (256, 640, 704)),
-    ]
+#: the certification models by short name (``--models``)
+MODELS: dict[str, Callable[[], Model]] = {
+    "smollm2": lambda: Model("SmolLM2-135M-Instruct.Q4_1", default_model_path(), (128, 192, 300)),
+    # past Gemma 3's 512-token window, where the sliding-window layers drop cells
+    "gemma3": lambda: Model("gemma-3-270m-q4_k_m", gemma3_model_path(), (256, 640, 704)),
+}
+
+
+def _models(names: list[str] | None = None) -> list[Model]:
+    return [make() for name, make in MODELS.items() if not names or name in names]
 
 
 def _llama(model: Path, layout: Layout, n_seq_max: int = 1) -> llama_cpp.Llama:
     # the runtime's own context adjustment: n_seq_max sequences in one unified cache
     with adjusted(n_seq_max):
+        # every layer offloaded on a GPU build (its KV cache on the device, as users run it);
+        # a CPU build ignores it
         return llama_cpp.Llama(
             str(model), n_ctx=1024, n_batch=512, type_k=layout.type_k, type_v=layout.type_v,
-            flash_attn=layout.flash_attn, swa_full=True, verbose=False,
+            flash_attn=layout.flash_attn, swa_full=True, n_gpu_layers=-1, verbose=False,
         )  # fmt: skip
 
 
@@ -374,7 +383,10 @@ LANES: dict[str, Callable[[Run], Outcome]] = {
 }
 
 
-def certify(path: Path, patches: Path) -> int:
+def certify(path: Path, patches: Path, models: list[str] | None = None) -> int:
+    """Run every lane per model and K/V layout on the loaded library's backend; the roster
+    keeps the rows other backends certified under the same recipe (a CUDA machine adds its
+    rows to the CPU ones), and the ``cachegen`` rows."""
     recipe = library_recipe()
     want = expected_recipe(patches)
     if recipe != want:
@@ -386,7 +398,7 @@ def certify(path: Path, patches: Path) -> int:
         )
         return 1
     rows: list[RosterRow] = []
-    for model in _models():
+    for model in _models(models):
         digest = file_digest(model.path)
         for layout in LAYOUTS:
             run = Run(model, layout)
@@ -413,7 +425,9 @@ def certify(path: Path, patches: Path) -> int:
         old = load_roster(path)
     except RosterError:
         old = None
-    roster = Roster(want, tuple(rows), old.cachegen if old is not None else ())
+    backend = native.backend_name()
+    kept = [r for r in old.rows if r.key.backend != backend] if old and old.recipe == want else []
+    roster = Roster(want, (*kept, *rows), old.cachegen if old is not None else ())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(roster.to_json(), "utf-8")
     print(f"certify: wrote {path} ({len(rows)} rows)")
@@ -442,7 +456,7 @@ def certify_cachegen(path: Path, n_cal: int, n_held: int, layouts: list[str] | N
     if roster is None:
         print(f"certify --cachegen: no roster at {path}; run scripts/certify.py", file=sys.stderr)
         return 1
-    model = _models()[0]
+    model = _models(["smollm2"])[0]
     digest = file_digest(model.path)
     rows = list(roster.cachegen)
     for layout in CACHEGEN_LAYOUTS:
@@ -520,13 +534,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layouts", nargs="*", default=None, help="cachegen: only these layouts (by name)"
     )
+    parser.add_argument(
+        "--models",
+        nargs="*",
+        choices=sorted(MODELS),
+        default=None,
+        help="certify on these models only (default: all; a machine without the Gemma 3 "
+        "packages can certify SmolLM2 alone)",
+    )
     parser.add_argument("--restart-child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.restart_child:
         return restart_child(*args.restart_child)
     if args.cachegen:
         return certify_cachegen(args.roster, args.prompts, args.held_out, args.layouts)
-    return check(args.roster, args.patches) if args.check else certify(args.roster, args.patches)
+    if args.check:
+        return check(args.roster, args.patches)
+    return certify(args.roster, args.patches, args.models)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from .costs import CostModel
 from .identity import CacheIdentity, chain_key, token_bytes
-from .plan import FetchedPage, Planner, Prompt, RestoreOutcome, RestorePlan
+from .plan import FetchedPage, PageRef, Planner, Prompt, RestoreOutcome, RestorePlan
 from .prefetch import Prefetcher, PrefetchResult
 from .state import SequenceState, slice_state, sort_by_position
 from .tiers.base import PageTier, PathStep, ResidentTier, Tier, walk
@@ -168,23 +168,34 @@ class PrefixCache:
     def fetch(self, plan: RestorePlan) -> tuple[list[FetchedPage], str | None]:
         """The pages of ``plan``, in order, as far as they can be read and verified.
 
-        Returns the pages and, when some are missing, a note saying how far the fetch got.
-        A page L3 read uncompressed is a view into the reading thread's buffer: restore it
-        before that thread's next fetch.
+        Returns the pages and, when some are missing, a note saying how far the fetch got
+        (:meth:`short_note`). A page L3 read uncompressed is a view into the reading thread's
+        buffer: restore it before that thread's next fetch.
         """
+        out = self.fetch_pages(plan.pages)
+        return out, None if len(out) == len(plan.pages) else self.short_note(plan, len(out))
+
+    def fetch_pages(self, pages: Sequence[PageRef]) -> list[FetchedPage]:
+        """The longest prefix of ``pages`` that can be read and verified (part of a plan: a
+        pipelined restore fetches its pages a chunk at a time)."""
         out: list[FetchedPage] = []
-        for name, group in itertools.groupby(plan.pages, key=lambda page: page.tier):
+        for name, group in itertools.groupby(pages, key=lambda page: page.tier):
             run = list(group)
             tier = self.tier(name)
             got = tier.fetch([p.key for p in run]) if isinstance(tier, PageTier) else []
             out += [FetchedPage(name, p.key, b) for p, b in zip(run, got, strict=False)]
             if len(got) < len(run):
-                served = plan.n_tokens - sum(p.used for p in plan.pages[len(out) :])
-                return out, (
-                    f"{name}: served {served} of {plan.n_tokens} tokens; a page was missing or "
-                    "failed verification"
-                )
-        return out, None
+                break
+        return out
+
+    @staticmethod
+    def short_note(plan: RestorePlan, n_fetched: int) -> str:
+        """What a fetch that got only the first ``n_fetched`` of the plan's pages served."""
+        served = plan.n_tokens - sum(page.used for page in plan.pages[n_fetched:])
+        return (
+            f"{plan.pages[n_fetched].tier}: served {served} of {plan.n_tokens} tokens; a page "
+            "was missing or failed verification"
+        )
 
     def commit(self, planned: RestorePlan, outcome: RestoreOutcome, prompt: Prompt) -> None:
         """Count, trace and promote what served the request (once, after the restore)."""
@@ -207,7 +218,8 @@ class PrefixCache:
         if served.seq_id is not None and isinstance(resident, ResidentTier):
             resident.touch(served.seq_id)
         if outcome.fetched:
-            self._promote(outcome)
+            if not outcome.promoted:
+                self.promote(outcome.fetched, outcome.n_tokens)
             moved = outcome.restored_bytes
             self.costs.observe_restore(moved, outcome.restore_s, ram=outcome.tier == "l2")
         elif served.seq_id is not None and outcome.restored:
@@ -217,15 +229,15 @@ class PrefixCache:
                 self.root, prompt.tokens, planned.limit, outcome.n_tokens, outcome.tier, self.costs
             )
 
-    def _promote(self, outcome: RestoreOutcome) -> None:
-        """Offer pages fetched from a deeper tier to the shallower page tiers (L3 -> L2)."""
+    def promote(self, fetched: Sequence[FetchedPage], prefix_tokens: int) -> None:
+        """Offer pages fetched from a deeper tier to the shallower page tiers (L3 -> L2), for a
+        prefix of ``prefix_tokens``; before the reading thread's next fetch reuses their bytes."""
         order = [t.name for t in self.tiers]
-        n = outcome.n_tokens
-        for page in outcome.fetched:
+        for page in fetched:
             depth = order.index(page.tier) if page.tier in order else 0
             for tier in self.tiers[:depth]:
                 if isinstance(tier, PageTier):
-                    tier.promote(page.key, page.payload, n)
+                    tier.promote(page.key, page.payload, prefix_tokens)
 
     def prefetch(
         self, tokens: Sequence[int] | Tokens, *, stop: Callable[[], bool] | None = None

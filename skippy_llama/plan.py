@@ -333,6 +333,8 @@ class RestoreOutcome:
         restored_bytes: state bytes loaded from pages.
         restore_s: seconds spent fetching and restoring.
         fetched: the pages restored (the cache promotes those from deeper tiers).
+        promoted: ``fetched`` was promoted while it was restored (a pipelined restore, whose
+            read buffers are reused chunk after chunk: the payloads are no longer valid).
         fallbacks: why a step was abandoned, for the request's ``CacheEvent``.
         faults: the same as counter keys (``step: ExceptionType`` or ``l3_short_read``).
     """
@@ -342,6 +344,7 @@ class RestoreOutcome:
     restored_bytes: int = 0
     restore_s: float = 0.0
     fetched: tuple[FetchedPage, ...] = ()
+    promoted: bool = False
     fallbacks: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
 

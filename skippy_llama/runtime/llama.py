@@ -511,6 +511,22 @@ class SkippyLlama(llama_cpp.Llama):
         """In-process cache state: L1 memory and counters (what ``kv-cache status`` cannot see)."""
         return cache_status(self)
 
+    def flush_cache(self, timeout: float = 60.0) -> bool:
+        """Make a waiting L3 record now and wait until the record-taking tiers stored it.
+
+        A GPU build leaves each record waiting until another prompt takes the sequence, the
+        server's idle gap (``prepare_next_turn``) or ``close``, so that no device copy sits
+        between a reply and the next request; call this where the pages must be durable now
+        (before another process reads the store, or a handoff).
+
+        Returns:
+            False when the L3 writer did not finish within ``timeout`` seconds.
+        """
+        cache = self.prefix_cache
+        self.recorder.flush()
+        disk = cache.disk
+        return disk.flush(timeout) if disk is not None else True
+
     def close(self) -> None:
         """Free the model and context; pending L3 writes are flushed first (bounded wait)."""
         cache = getattr(self, "prefix_cache", None)
@@ -519,5 +535,5 @@ class SkippyLlama(llama_cpp.Llama):
             cache.close()
         seam = getattr(self, "seam", None)
         if seam is not None:
-            seam.buffers.clear()
+            seam.close()
         super().close()

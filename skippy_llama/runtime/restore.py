@@ -46,8 +46,14 @@ def restore_prefix(
     # included; only the exact part may be reused
     llm.keep_exact(plan.keep)
     restoring = time.perf_counter()
-    append = prompt.can_append
-    outcome = llm.seam.execute(plan, prompt, cache, llm.kv_layout, append=append)
+    outcome = llm.seam.execute(
+        plan,
+        prompt,
+        cache,
+        llm.kv_layout,
+        append=prompt.can_append,
+        pipeline=llm.native_verdict.append_import,
+    )
     n = outcome.n_tokens
     llm.adopt(n, tokens if outcome.restored else None)
     event.restore_ms = (time.perf_counter() - restoring) * 1e3

@@ -9,9 +9,11 @@ planner: executing a plan never raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import numpy.typing as npt
 from ..cache import PrefixCache
 from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
-from ..plan import FetchedPage, Prompt, RestoreOutcome, RestorePlan
+from ..plan import FetchedPage, PageRef, Prompt, RestoreOutcome, RestorePlan
 from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
 from . import native, native_ext
 
@@ -29,6 +31,20 @@ log = logging.getLogger("skippy_llama")
 WORKING_SEQ = 0
 #: Sequence id used as scratch by range captures (empty at rest; also checkpoint slot 1).
 SCRATCH_SEQ = 1
+#: A page restore of more state than this runs in chunks of about this size, each read while the
+#: previous one is imported (see ``KVSeam._pipelined``); smaller ones are one read and one import.
+PIPELINE_BYTES = 64 << 20
+
+
+def chunks(plan: RestorePlan, layout: KVLayout) -> list[tuple[PageRef, ...]]:
+    """``plan.pages`` cut into runs of about ``PIPELINE_BYTES`` of state each (one run when the
+    restore is too small to pipeline)."""
+    per_page = max(1, max((page.used for page in plan.pages), default=1)) * (
+        layout.kv_bytes_per_cell + layout.meta_bytes_per_cell
+    )
+    step = max(1, PIPELINE_BYTES // per_page)
+    pages = plan.pages
+    return [pages[i : i + step] for i in range(0, len(pages), step)]
 
 
 def backend_name() -> str:
@@ -54,6 +70,16 @@ class KVSeam:
         self.ctx = ctx
         self.buffers = buffers
         self.on_device = on_device
+        #: reads a pipelined restore's next chunk of pages (one per seam: a thread's L3 read
+        #: buffer is reused by its next read, so two restores must not share the thread)
+        self._ahead: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        """Drop the kept host buffers and stop the read-ahead thread (on close)."""
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+            self._ahead = None
+        self.buffers.clear()
 
     # -- the working sequence ---------------------------------------------------------------
 
@@ -141,15 +167,21 @@ class KVSeam:
         layout: KVLayout | None,
         *,
         append: bool = False,
+        pipeline: bool = False,
     ) -> RestoreOutcome:
         """Carry out ``plan`` on the working sequence, whose first ``plan.keep`` cells hold
-        ``prompt.tokens[:plan.keep]``; fall back to shallower plans on failure. Never raises."""
+        ``prompt.tokens[:plan.keep]``; fall back to shallower plans on failure. Never raises.
+
+        ``append``: append plans may run (an L1 prefix continued with pages). ``pipeline``:
+        the append import is available, so a long page restore runs a chunk at a time, each
+        chunk's pages read while the previous chunk is imported (:meth:`_pipelined`).
+        """
         started = time.perf_counter()
         notes: list[str] = []
         faults: list[str] = []
         excluded: set[str] = set()
         while True:
-            outcome = self._try(plan, prompt, cache, layout, append, notes, faults)
+            outcome = self._try(plan, prompt, cache, layout, append, pipeline, notes, faults)
             if outcome is not None:
                 outcome.fallbacks, outcome.faults = notes, faults
                 outcome.restore_s = time.perf_counter() - started
@@ -167,9 +199,12 @@ class KVSeam:
         cache: PrefixCache,
         layout: KVLayout | None,
         append: bool,
+        pipeline: bool,
         notes: list[str],
         faults: list[str],
     ) -> RestoreOutcome | None:
+        if plan.pages and pipeline and layout is not None and len(chunks(plan, layout)) > 1:
+            return self._pipelined(plan, cache, layout, notes, faults)
         if plan.pages:
             fetched, short = cache.fetch(plan)
             if short is not None:
@@ -255,6 +290,110 @@ class KVSeam:
         finally:
             self.buffers.give(buf)
         return size
+
+    def _pipelined(
+        self,
+        plan: RestorePlan,
+        cache: PrefixCache,
+        layout: KVLayout,
+        notes: list[str],
+        faults: list[str],
+    ) -> RestoreOutcome | None:
+        """A page restore a chunk at a time: while one chunk is assembled and imported (the
+        import's device copies release the GIL), the read-ahead thread reads, verifies and
+        decodes the next. The first chunk rebuilds the prefix (``set_data``) or continues the
+        plan's L1 prefix; the others are append-imported after it. Each chunk is promoted to
+        the shallower tiers before the thread's next read reuses its bytes.
+
+        A short fetch ends the restore where the pages end (like :meth:`_try`); a failure
+        clears the working sequence and asks for a shallower plan.
+        """
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="skippy-restore")
+        parts = chunks(plan, layout)
+        pending: Future[list[FetchedPage]] | None = self._ahead.submit(cache.fetch_pages, parts[0])
+        fetched: list[FetchedPage] = []
+        restored = 0  # pages imported
+        size = 0
+        try:
+            for i, part in enumerate(parts):
+                assert pending is not None
+                got = pending.result()
+                pending = None
+                short = len(got) < len(part)
+                if short and not fetched and not got:
+                    break  # nothing read: the working sequence is untouched
+                if got:
+                    buf, n = self._assemble(plan, got, restored, layout)
+                    cache.promote(got, plan.n_tokens)  # before the next read reuses the bytes
+                    if not short and i + 1 < len(parts):
+                        pending = self._ahead.submit(cache.fetch_pages, parts[i + 1])
+                    try:
+                        self._import(plan, cache, buf, n, first=restored == 0)
+                    finally:
+                        self.buffers.give(buf)
+                    fetched += got
+                    restored += len(got)
+                    size += n
+                if short:
+                    break
+        except Exception as exc:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(Exception):
+                    pending.result()  # no read may still be writing when the next one starts
+            return self._failed(plan.tier, exc, notes, faults)
+        outcome = RestoreOutcome(
+            plan, restored=True, restored_bytes=size, fetched=tuple(fetched), promoted=True
+        )
+        if restored < len(plan.pages):
+            notes.append(cache.short_note(plan, restored))
+            faults.append(f"{plan.pages[restored].tier}_short_read")
+            n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[restored:])
+            if n_tokens <= plan.floor:
+                if restored:
+                    self.cut()  # a shallower plan does at least as well
+                return None
+            outcome.plan = plan.truncated(n_tokens)
+        return outcome
+
+    def _assemble(
+        self, plan: RestorePlan, got: list[FetchedPage], first: int, layout: KVLayout
+    ) -> tuple[HostBuffer, int]:
+        """Pages ``first ..`` of ``plan`` (``got``) as one blob in a pool buffer, and its size."""
+        want = plan.pages[first : first + len(got)]
+        pages = [
+            page_from_bytes(page.payload).head(ref.used)
+            for page, ref in zip(got, want, strict=True)
+        ]
+        base = plan.base_tokens
+        if first == 0 and base:
+            if not pages[0].start <= base < pages[0].end:
+                raise StateFormatError("the append plan's first page does not reach past L1")
+            pages[0] = pages[0].span(base, pages[0].end)
+        start = pages[0].start
+        size = assembled_size(pages, layout, start=start)
+        buf = self.buffers.take(size)
+        try:
+            assemble_into(buf, pages, layout, seq_id=WORKING_SEQ, start=start)
+        except BaseException:
+            self.buffers.give(buf)
+            raise
+        return buf, size
+
+    def _import(
+        self, plan: RestorePlan, cache: PrefixCache, buf: HostBuffer, size: int, *, first: bool
+    ) -> None:
+        """Load an assembled chunk: the first one rebuilds the prefix (or continues the plan's
+        L1 prefix), later ones are append-imported after the last."""
+        if first and not plan.base_tokens:
+            if not native.set_seq_state(self.ctx, buf, WORKING_SEQ, size):
+                raise TierError("llama_state_seq_set_data refused the blob")
+            return
+        if first:
+            self._place_base(plan, cache)
+        if not native_ext.append_import(self.ctx, memoryview(buf)[:size], WORKING_SEQ):
+            raise TierError("skippy_state_seq_append_data refused the pages")
 
     def _place_base(self, plan: RestorePlan, cache: PrefixCache) -> None:
         """Leave exactly the L1 prefix of an append plan in the working sequence."""

@@ -59,7 +59,7 @@ def main(spec: dict[str, Any]) -> None:
         out["events"].append(None if event is None else event.to_dict())
     out["restores_skipped"] = llm.prefix_cache.counters.restores_skipped
     if disk is not None:
-        out["flushed"] = disk.flush(60)
+        out["flushed"] = llm.flush_cache(60)
         out["status"] = disk.status().to_json()
     out["counters"] = llm.cache_status()["counters"]
     out["tiers"] = llm.prefix_cache.status()  # every tier's status, through the protocol

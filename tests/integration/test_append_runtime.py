@@ -69,7 +69,7 @@ def filled(smollm2_path: Path, tokens: list[int], tmp_path: Path) -> Path:
     llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(tmp_path), **_kwargs())
     try:
         llm.eval(tokens[:LONG])
-        assert llm.prefix_cache.disk is not None and llm.prefix_cache.disk.flush()
+        assert llm.prefix_cache.disk is not None and llm.flush_cache()
     finally:
         llm.close()
     return tmp_path

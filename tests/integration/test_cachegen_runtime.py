@@ -66,7 +66,7 @@ def _plant_row(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _stored_codecs(llm: SkippyLlama) -> set[bytes]:
     disk = llm.prefix_cache.disk
-    assert disk is not None and disk.flush(60)
+    assert disk is not None and llm.flush_cache(60)
     store = disk._parts.rw
     return {bytes((store.get(key) or b"")[:4]) for key in store.keys(DATA)}
 

@@ -57,7 +57,7 @@ def filled(smollm2_path: Path, tmp_path: Path) -> str:
     try:
         answer = _complete(llm)
         assert llm.last_cache_event is not None and llm.last_cache_event.tier == "cold"
-        assert llm.prefix_cache.disk is not None and llm.prefix_cache.disk.flush(60)
+        assert llm.prefix_cache.disk is not None and llm.flush_cache(60)
     finally:
         llm.close()
     return answer

@@ -152,6 +152,21 @@ def test_prepare_next_turn_makes_the_waiting_record(smollm2_path: Path, tmp_path
         assert counters.records == 1  # nothing waits any more
 
 
+def test_flush_cache_makes_the_waiting_record_durable_while_the_process_runs(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    with deferring(smollm2_path, tmp_path / "l3") as llm:
+        prompts, outputs = continuation(llm, turns=1)
+        counters = llm.prefix_cache.counters
+        assert (counters.records, counters.records_deferred) == (0, 2)
+        assert llm.flush_cache(60)
+        assert counters.records == 1
+        answer, event = restored(smollm2_path, tmp_path / "l3", prompts[-1])
+        assert llm.flush_cache(60) and counters.records == 1  # nothing waits any more
+    assert answer == outputs[-1] == cold(smollm2_path, prompts[-1:])[0]
+    assert event.tier == "l3"
+
+
 def test_a_record_waits_only_below_its_token_bound(smollm2_path: Path, tmp_path: Path) -> None:
     with deferring(smollm2_path, tmp_path / "l3", tokens=4) as llm:
         continuation(llm, turns=2)

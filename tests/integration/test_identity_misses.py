@@ -60,7 +60,7 @@ def _skippy(model: Path, store: Path, kwargs: dict[str, Any]) -> tuple[str, Cach
         event = llm.last_cache_event
         assert event is not None
         disk = llm.prefix_cache.disk
-        assert disk is not None and disk.flush(60)
+        assert disk is not None and llm.flush_cache(60)
     finally:
         llm.close()
     return str(out["choices"][0]["text"]), event  # type: ignore[index]

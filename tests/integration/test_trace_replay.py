@@ -62,7 +62,7 @@ def test_replayed_trace_matches_live_l3_hits(smollm2_path: Path, tmp_path: Path)
                 assert disk is not None
                 # the writer's asynchrony, bounded to zero: each record is stored before the
                 # next lookup, as the replay assumes
-                assert disk.flush(30)
+                assert llm.flush_cache(30)
         trace = llm.prefix_cache.trace
         assert trace is not None
         assert llm.prefix_cache.counters.restores_skipped == 0

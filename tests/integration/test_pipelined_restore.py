@@ -1,0 +1,235 @@
+"""Page restores run a chunk at a time (``KVSeam._pipelined``), with the real SmolLM2 model.
+
+Where the append import is certified, a restore of more than ``PIPELINE_BYTES`` of state is
+cut into chunks: each chunk's pages are read on the seam's read-ahead thread while the
+previous chunk is imported. These tests shrink the chunk to one 64-token page so that a short
+prompt runs the whole pipeline, and compare the last logits with a cold prefill (CPU, flash
+attention off: bit-identical), for a restore from L3, one that continues an L1 prefix, one
+whose L3 pages are promoted to L2 chunk by chunk, and one cut short by a damaged page.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import llama_cpp
+import numpy as np
+import pytest
+from modelhelpers import TEXT, aligned, cold_logits, last_logits
+
+from skippy_llama.config import Settings
+from skippy_llama.costs import AlwaysRestore
+from skippy_llama.runtime import native_ext, seam
+from skippy_llama.runtime.llama import SkippyLlama
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.certified_backend,
+    pytest.mark.skipif(
+        native_ext.abi_version() is None, reason="the append import needs the patched build"
+    ),
+]
+
+N_CTX = 1024
+#: the document L3 holds, the prefix L1 gets in the append case, and the page size
+LONG, SHORT, PAGE = 400, 150, 64
+_MAN, _DATA = b"\x04", b"\x07"
+
+
+def _kwargs() -> dict[str, object]:
+    # restores forced: a GPU build's measured costs may prefill these short prompts instead
+    return {
+        "n_ctx": N_CTX,
+        "n_batch": 512,
+        "flash_attn": False,
+        "verbose": False,
+        "cost_model": AlwaysRestore(),
+    }
+
+
+def _settings(directory: Path, *, l1: bool = True, l2: str | None = None) -> Settings:
+    # uncompressed, as GPU builds store them: L3 then serves views into its reused read buffer
+    l3 = {
+        "mode": "fixed",
+        "budget": "1GiB",
+        "directory": str(directory),
+        "minimum_free": "1GiB",
+        "compression": "none",
+    }
+    return Settings(l1={"enabled": l1}, l2={"budget": l2}, l3=l3, page_tokens=PAGE)
+
+
+@pytest.fixture(scope="module")
+def tokens(smollm2_path: Path) -> list[int]:
+    llm = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
+    try:
+        return llm.tokenize((TEXT * 4).encode())
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def cold(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
+    llm = llama_cpp.Llama(str(smollm2_path), **_kwargs())  # type: ignore[arg-type]
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def filled(smollm2_path: Path, tokens: list[int], tmp_path: Path) -> Path:
+    """An L3 directory holding the pages of ``tokens[:LONG]`` (written by another instance)."""
+    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(tmp_path), **_kwargs())
+    try:
+        llm.eval(tokens[:LONG])
+        assert llm.flush_cache()
+    finally:
+        llm.close()
+    return tmp_path
+
+
+@pytest.fixture
+def imports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One page per chunk; the sizes of the append imports the seam makes, in order."""
+    monkeypatch.setattr(seam, "PIPELINE_BYTES", 1)
+    sizes: list[int] = []
+    real: Callable[..., bool] = native_ext.append_import
+
+    def counting(ctx: Any, blob: memoryview, seq_id: int) -> bool:
+        sizes.append(len(blob))
+        return real(ctx, blob, seq_id)
+
+    monkeypatch.setattr(native_ext, "append_import", counting)
+    return sizes
+
+
+def _pages_stored(directory: Path) -> list[str]:
+    """The page keys (hex) of the longest manifest L3 holds, in order."""
+    with diskcache.Cache(str(directory)) as store:
+        found = [
+            json.loads(store.get(key))
+            for key in store.iterkeys()
+            if isinstance(key, bytes) and key[:1] == _MAN
+        ]
+    return [page[0] for page in max(found, key=lambda man: man["n_tokens"])["pages"]]
+
+
+def test_a_restore_in_one_page_chunks_equals_cold(
+    smollm2_path: Path,
+    tokens: list[int],
+    filled: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    try:
+        if not llm.native_verdict.append_import:
+            pytest.skip("the roster does not certify the append import on this backend")
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l3" and not event.fallbacks
+    assert event.cached_tokens == aligned(llm, LONG - 2)
+    # the first chunk rebuilds the prefix (set_data); every later page is appended
+    n_pages = -(-event.cached_tokens // PAGE)
+    assert len(imports) == n_pages - 1
+    assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+def test_an_l1_prefix_continued_in_chunks_equals_cold(
+    smollm2_path: Path,
+    tokens: list[int],
+    filled: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    try:
+        # the live sequence shares SHORT tokens with the pages L3 holds, then differs
+        llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
+        imports.clear()
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l3"
+    assert event.l1_tokens == aligned(llm, SHORT)
+    assert event.cached_tokens == aligned(llm, LONG - 2)
+    # every page from the one holding position SHORT on, one import each
+    assert len(imports) == -(-event.cached_tokens // PAGE) - SHORT // PAGE
+    assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+def test_chunks_promoted_to_l2_serve_the_next_restore(
+    smollm2_path: Path,
+    tokens: list[int],
+    filled: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    """Each chunk is copied into L2 before the read-ahead thread's next read reuses its bytes:
+    a later restore reads them from L2, whose digests would refuse bytes overwritten since."""
+    settings = _settings(filled, l1=False, l2="64MiB")
+    llm = SkippyLlama(str(smollm2_path), cache_settings=settings, **_kwargs())
+    try:
+        prompt = tokens[: LONG + 20]
+        tiers, logits = [], []
+        for _ in range(3):
+            llm.create_completion(prompt, max_tokens=1)
+            assert llm.last_cache_event is not None
+            tiers.append(llm.last_cache_event.tier)
+            logits.append(last_logits(llm))
+            # L1 off: another prompt displaces the live sequence, so the next one restores
+            llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
+        ram = llm.prefix_cache.ram
+        assert ram is not None
+        l2 = ram.status()
+    finally:
+        llm.close()
+    # L2 copies a page on its second fill: the third restore takes every page but the tail
+    # (which this process recorded anew) from L2, which checks each copy's digest
+    assert tiers == ["l3", "l3", "l3"] and len(imports) > 0
+    full = (LONG + 20 - 2) // PAGE
+    assert l2.promotions >= full and l2.hits >= full, l2
+    assert l2.digest_mismatches == 0, l2
+    expected = cold_logits(cold, prompt)
+    assert all(np.array_equal(got, expected) for got in logits)
+
+
+def test_a_damaged_page_ends_the_pipelined_restore_before_it(
+    smollm2_path: Path,
+    tokens: list[int],
+    filled: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    keys = _pages_stored(filled)
+    assert len(keys) >= 5
+    with diskcache.Cache(str(filled)) as store:
+        key = _DATA + bytes.fromhex(keys[3])
+        value = store.get(key)
+        assert isinstance(value, bytes)
+        store.set(key, value[: len(value) // 2])
+    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    try:
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+        counters = llm.prefix_cache.counters
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l3"
+    assert event.cached_tokens == aligned(llm, 3 * PAGE)  # pages 0-2, imported before page 3
+    assert len(imports) == 2
+    assert counters.fallbacks["l3_short_read"] == 1
+    assert any("failed verification" in note for note in event.fallbacks)
+    assert np.array_equal(got, cold_logits(cold, prompt))
