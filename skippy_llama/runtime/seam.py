@@ -217,7 +217,7 @@ class KVSeam:
             try:
                 size = self._load_pages(plan, fetched, cache, layout, append)
             except Exception as exc:
-                return self._failed(plan.tier, exc, notes, faults)
+                return self._failed(plan.tier, exc, notes, faults, self._intact(plan))
             return RestoreOutcome(plan, restored=True, restored_bytes=size, fetched=tuple(fetched))
         if plan.seq_id is not None:
             try:
@@ -231,14 +231,22 @@ class KVSeam:
         return RestoreOutcome(plan)
 
     def _failed(
-        self, step: str, exc: Exception, notes: list[str], faults: list[str]
+        self, step: str, exc: Exception, notes: list[str], faults: list[str], keep: int = 0
     ) -> RestoreOutcome | None:
-        """A restore step raised: the working sequence is half-written, so it is cleared."""
+        """A restore step raised: the working sequence is half-written, so it is cleared from
+        ``keep`` on (0: all of it)."""
         faults.append(f"{step}: {type(exc).__name__}")
         notes.append(f"{step}: {exc}")
         log.warning("skippy-llama: %s failed (%s); continuing without it", step, exc)
-        self.cut()
+        self.cut(keep)
         return None
+
+    @staticmethod
+    def _intact(plan: RestorePlan) -> int:
+        """Cells of the working sequence a failed page restore of ``plan`` left as they were:
+        an append plan over the live sequence writes nothing below its base (the append import
+        removes what a failed call added), so the fallback can still reuse it."""
+        return plan.base_tokens if plan.seq_id is None else 0
 
     def _copy_checkpoint(self, plan: RestorePlan, cache: PrefixCache) -> None:
         """Copy a checkpoint into the working sequence and keep its first ``n_tokens`` cells."""
@@ -342,7 +350,7 @@ class KVSeam:
                 pending.cancel()
                 with contextlib.suppress(Exception):
                     pending.result()  # no read may still be writing when the next one starts
-            return self._failed(plan.tier, exc, notes, faults)
+            return self._failed(plan.tier, exc, notes, faults, self._intact(plan))
         outcome = RestoreOutcome(
             plan, restored=True, restored_bytes=size, fetched=tuple(fetched), promoted=True
         )
@@ -352,7 +360,7 @@ class KVSeam:
             n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[restored:])
             if n_tokens <= plan.floor:
                 if restored:
-                    self.cut()  # a shallower plan does at least as well
+                    self.cut(self._intact(plan))  # a shallower plan does at least as well
                 return None
             outcome.plan = plan.truncated(n_tokens)
         return outcome

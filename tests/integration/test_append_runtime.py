@@ -138,7 +138,7 @@ def test_a_refused_append_falls_back_and_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fault injection: the library refuses the append; the request falls back to what L1 alone
-    holds (the live prefix, parked when the prompt left it) and stays exact."""
+    holds (the live prefix the append was to continue, left in place) and stays exact."""
     llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
     try:
         llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
@@ -151,6 +151,6 @@ def test_a_refused_append_falls_back_and_stays_exact(
     finally:
         llm.close()
     assert event is not None and event.fallbacks and event.l1_tokens == 0
-    assert event.tier == "l1" and event.cached_tokens == SHORT
+    assert event.tier == "l1" and event.cached_tokens == aligned(llm, SHORT)
     assert sum(n for reason, n in fallbacks.items() if reason.startswith("l3")) == 1
     assert np.array_equal(got, cold_logits(cold, prompt))

@@ -194,9 +194,10 @@ def test_chunks_promoted_to_l2_serve_the_next_restore(
         l2 = ram.status()
     finally:
         llm.close()
-    # L2 copies a page on its second fill: the third restore takes every page but the tail
-    # (which this process recorded anew) from L2, which checks each copy's digest
-    assert tiers == ["l3", "l3", "l3"] and len(imports) > 0
+    # L2 copies a page on its second fill: the third restore takes every page from L2 (which
+    # checks each copy's digest) but, where reuse is token-granular, the tail this process
+    # recorded anew (then the restore is named for L3)
+    assert tiers[:2] == ["l3", "l3"] and tiers[2] in ("l2", "l3") and len(imports) > 0
     full = (LONG + 20 - 2) // PAGE
     assert l2.promotions >= full and l2.hits >= full, l2
     assert l2.digest_mismatches == 0, l2
