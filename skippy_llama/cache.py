@@ -188,6 +188,11 @@ class PrefixCache:
                 break
         return out
 
+    def reads_storage(self, plan: RestorePlan) -> bool:
+        """Whether fetching ``plan``'s pages reads storage or the network (some page is not
+        in L2's host RAM), so that a restore has reads to overlap."""
+        return any(not isinstance(self.tier(page.tier), RamTier) for page in plan.pages)
+
     @staticmethod
     def short_note(plan: RestorePlan, n_fetched: int) -> str:
         """What a fetch that got only the first ``n_fetched`` of the plan's pages served."""

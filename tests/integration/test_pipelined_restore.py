@@ -234,3 +234,30 @@ def test_a_damaged_page_ends_the_pipelined_restore_before_it(
     assert counters.fallbacks["l3_short_read"] == 1
     assert any("failed verification" in note for note in event.fallbacks)
     assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+def test_a_restore_from_l2_alone_is_imported_whole(
+    smollm2_path: Path,
+    tokens: list[int],
+    filled: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    """L2's pages are in RAM: nothing to read while importing, so no chunks."""
+    settings = _settings(filled, l1=False, l2="64MiB")
+    llm = SkippyLlama(str(smollm2_path), cache_settings=settings, **_kwargs())
+    try:
+        prompt = tokens[:LONG]  # what L3 holds, so this process records no new tail
+        for _ in range(2):  # L2 copies each page on its second fill
+            llm.create_completion(prompt, max_tokens=1)
+            llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
+        imports.clear()
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l2"
+    assert event.cached_tokens == aligned(llm, LONG - 2)
+    assert imports == []
+    assert np.array_equal(got, cold_logits(cold, prompt))
