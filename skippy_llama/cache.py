@@ -245,7 +245,11 @@ class PrefixCache:
                     tier.promote(page.key, page.payload, prefix_tokens)
 
     def prefetch(
-        self, tokens: Sequence[int] | Tokens, *, stop: Callable[[], bool] | None = None
+        self,
+        tokens: Sequence[int] | Tokens,
+        *,
+        stop: Callable[[], bool] | None = None,
+        skip: int = 0,
     ) -> PrefetchResult:
         """Copy the L3 pages of ``tokens``' stored prefix that L2 lacks into L2, ahead of the
         request that will want them (see :mod:`skippy_llama.prefetch`).
@@ -257,8 +261,10 @@ class PrefixCache:
         Args:
             tokens: the prompt's tokens, as the request will tokenize it.
             stop: asked before each L3 read; once it returns True the prefetch ends there.
+            skip: leading tokens the request will find elsewhere (a batch's next item shares
+                them with the live sequence): pages wholly inside them are not read.
         """
-        return self._prefetcher(tokens, stop)
+        return self._prefetcher(tokens, stop, skip)
 
     def fallback(self, reason: str) -> None:
         """Count a fault outside a restore (a record, a park) that was turned into nothing."""

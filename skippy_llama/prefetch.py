@@ -61,7 +61,8 @@ class PrefetchResult:
         pages: pages copied from L3 into L2.
         bytes: their payload bytes.
         held: pages of the path L2 held already.
-        tokens: leading prompt tokens whose pages L2 now holds (what an L2 restore can serve).
+        tokens: leading prompt tokens whose pages L2 now holds or lie wholly inside ``skip``
+            (what the request can take without reading L3).
         stored_tokens: leading prompt tokens the stored page path covers (L2 and L3).
         stopped: why it stopped (:data:`StopReason`).
     """
@@ -84,10 +85,13 @@ class Prefetcher:
         self._lock = threading.Lock()
 
     def __call__(
-        self, tokens: Sequence[int] | Tokens, stop: Callable[[], bool] | None = None
+        self,
+        tokens: Sequence[int] | Tokens,
+        stop: Callable[[], bool] | None = None,
+        skip: int = 0,
     ) -> PrefetchResult:
         try:
-            result = self._run(np.asarray(tokens, dtype=np.int32), stop)
+            result = self._run(np.asarray(tokens, dtype=np.int32), stop, skip)
         except Exception as exc:  # fail-open: a prefetch is an optimization
             log.warning("skippy-llama: prefetch failed (%s); continuing without it", exc)
             result = PrefetchResult(stopped="error")
@@ -103,7 +107,7 @@ class Prefetcher:
             if result.stopped in ("l3_miss", "error"):
                 counters.prefetch_misses += 1
 
-    def _run(self, tokens: Tokens, stop: Callable[[], bool] | None) -> PrefetchResult:
+    def _run(self, tokens: Tokens, stop: Callable[[], bool] | None, skip: int) -> PrefetchResult:
         cache = self.cache
         ram, disk = cache.ram, cache.disk
         # the last prompt token is always decoded (its logits are needed): never reused
@@ -119,7 +123,10 @@ class Prefetcher:
         protect = frozenset(step.key for step in steps)
         pages = nbytes = 0
         stopped: StopReason = "complete"
-        for run in self._runs(steps, in_l2):
+        # pages wholly inside the first ``skip`` tokens come from elsewhere (the live sequence)
+        ends = np.cumsum([step.used for step in steps])
+        wanted = [not here and end > skip for here, end in zip(in_l2, ends, strict=True)]
+        for run in self._runs(steps, wanted):
             if stop is not None and stop():
                 stopped = "stopped"
                 break
@@ -142,8 +149,8 @@ class Prefetcher:
                 stopped = "l3_miss"
                 break
         covered = 0
-        for step, here in zip(steps, in_l2, strict=True):
-            if not here:
+        for step, here, end in zip(steps, in_l2, ends, strict=True):
+            if not here and end > skip:
                 break
             covered += step.used
         return PrefetchResult(
@@ -155,14 +162,14 @@ class Prefetcher:
             stopped=stopped,
         )
 
-    def _runs(self, steps: Sequence[PathStep], in_l2: Sequence[bool]) -> list[list[int]]:
-        """Indices of the steps L2 lacks, in path order, cut into runs of consecutive pages of
+    def _runs(self, steps: Sequence[PathStep], wanted: Sequence[bool]) -> list[list[int]]:
+        """Indices of the ``wanted`` steps, in path order, cut into runs of consecutive pages of
         at most ``READ_CHUNK_BYTES`` (by the cache's bytes per token; one page at least)."""
         per_token = max(self.cache.bytes_per_token, 1)
         runs: list[list[int]] = []
         size = 0
-        for i, (step, here) in enumerate(zip(steps, in_l2, strict=True)):
-            if here:
+        for i, (step, want) in enumerate(zip(steps, wanted, strict=True)):
+            if not want:
                 continue
             page = step.n_tokens * per_token
             if not runs or runs[-1][-1] != i - 1 or size + page > READ_CHUNK_BYTES:

@@ -15,9 +15,12 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from ..prefetch import PrefetchResult
 from ..runtime.llama import SkippyLlama
 from ..runtime.prompt_tokens import chat_tokens, completion_tokens
+from ..tiers.base import common_prefix
 from .items import BatchItem
 
 log = logging.getLogger("skippy_llama")
@@ -50,20 +53,25 @@ class NextItemPrefetch:
         #: what every finished prefetch did, in order
         self.results: list[PrefetchResult] = []
 
-    def start(self, item: BatchItem) -> None:
+    def start(self, item: BatchItem, current: BatchItem | None = None) -> None:
         """Prefetch ``item``'s pages in the background (tokenized here, on the caller's thread:
-        the thread itself never calls into llama.cpp)."""
+        the thread itself never calls into llama.cpp), less those of the prefix it shares with
+        ``current`` (the item about to run): the live sequence will hold them."""
         if self._pool is None:
             return
         self.wait()
         try:
             tokens = item_tokens(self.llm, item)
+            live = item_tokens(self.llm, current) if current is not None else None
         except Exception as exc:  # the item's own request reports a prompt it cannot tokenize
             log.debug("skippy-llama: no prefetch for item %s (%s)", item.id, exc)
             return
         if tokens:
             self._pending = self._pool.submit(
-                self.llm.prefix_cache.prefetch, tokens, stop=self._cancel.is_set
+                self.llm.prefix_cache.prefetch,
+                tokens,
+                stop=self._cancel.is_set,
+                skip=common_prefix(np.asarray(tokens), np.asarray(live or [])),
             )
 
     def wait(self) -> None:

@@ -142,7 +142,8 @@ def run_batch(
             item = items[index]
             ahead.wait()  # this item's own prefetch lands first: its request reads L2 then
             if n < len(order):
-                ahead.start(items[order[n]])  # the next item's pages, while this one runs
+                # the next item's pages, while this one runs (less the prefix they share)
+                ahead.start(items[order[n]], current=item)
             llm.last_cache_event = None
             try:
                 record = _output(item, _call(llm, item, max_tokens, temperature))

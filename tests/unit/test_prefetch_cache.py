@@ -191,6 +191,21 @@ def test_stop_ends_a_prefetch_before_its_next_read(make: Make) -> None:
     assert cache.ram is not None and len(cache.ram) == 0
 
 
+def test_pages_inside_the_skipped_prefix_are_not_read(make: Make) -> None:
+    cache = make()
+    a = prompt(0, 600, seed=1)
+    record(cache, a)  # five pages: 0-127, 128-255, 256-383, 384-511, 512-599
+    # the live sequence will hold the first 300 tokens: pages 0 and 1 are wholly inside them,
+    # page 2 (256-383) is not
+    result = cache.prefetch(a, skip=300)
+    assert (result.stopped, result.pages, result.held) == ("complete", 3, 0)
+    assert result.tokens == 599
+    ram = cache.ram
+    assert ram is not None and len(ram) == 3
+    keys = page_keys(cache.root, a[:512], PAGE)
+    assert [ram.holds(key) for key in keys] == [False, False, True, True]
+
+
 def test_prefetch_on_another_thread_beside_requests(make: Make) -> None:
     """A prefetch thread and a request thread read L3 at once: each has its own read buffer,
     and every restore still assembles the exact state."""
