@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ def bench_size(
     row: dict[str, Any] = {"tokens": n, "cold_s": round(cold_s, 4)}
     pipeline_bytes = seam.PIPELINE_BYTES
     with tempfile.TemporaryDirectory() as tmp:
-        store = Path(tmp)
+        store = Path(tmp) / "store"
         recorder = SkippyLlama(model, cache_settings=_settings(store, l1=False), **common)
         record_s: list[float] = []
         original = recorder.recorder.after_request
@@ -116,10 +117,15 @@ def bench_size(
             ("l3_one_import", {"l1": False}),
             ("l2", {"l1": False, "l2": "32GiB"}),
         ]
+        # each L3 reader records its own query's pages: the one-import reader gets a copy of
+        # the store as the recorder left it, so both restore the same prefix
+        twin = Path(tmp) / "twin"
+        shutil.copytree(store, twin)
         for tier, kwargs in tiers:
             # l3_one_import: the same restore read whole, then imported whole (no pipeline)
             seam.PIPELINE_BYTES = 1 << 62 if tier == "l3_one_import" else pipeline_bytes
-            llm = SkippyLlama(model, cache_settings=_settings(store, **kwargs), **common)
+            where = twin if tier == "l3_one_import" else store
+            llm = SkippyLlama(model, cache_settings=_settings(where, **kwargs), **common)
             # L3: the first restore of a fresh process (a restart: its buffers are new), then a
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last run reads it
