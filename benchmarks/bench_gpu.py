@@ -7,8 +7,8 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
 - L1: the prefix checkpointed in the live context, restored, then the 64-token suffix;
 - L3: a second model object reading the pages the first recorded (page cache warm), twice:
   the first restore of a fresh process (reported), then one with its buffers reused (``runs``);
-  ``l3_one_import`` the same with the restore read whole and imported whole (where the append
-  import is certified, a restore of more than ``seam.PIPELINE_BYTES`` is otherwise pipelined);
+  ``l3`` chunked (``SkippyLlama.pipeline_restores``, where the append import is certified),
+  ``l3_one_import`` the same restore read whole and imported whole;
 - L2: a third object with L1 off, its second request served from the RAM mirror;
 
 with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), the
@@ -38,7 +38,7 @@ import numpy as np
 
 from skippy_llama import hostmem
 from skippy_llama.config import Settings
-from skippy_llama.runtime import native, seam
+from skippy_llama.runtime import native
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
@@ -77,7 +77,6 @@ def bench_size(
     cold = _logits(plain)
     plain.close()
     row: dict[str, Any] = {"tokens": n, "cold_s": round(cold_s, 4)}
-    pipeline_bytes = seam.PIPELINE_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         recorder = SkippyLlama(model, cache_settings=_settings(store, l1=False), **common)
@@ -122,10 +121,11 @@ def bench_size(
         twin = Path(tmp) / "twin"
         shutil.copytree(store, twin)
         for tier, kwargs in tiers:
-            # l3_one_import: the same restore read whole, then imported whole (no pipeline)
-            seam.PIPELINE_BYTES = 1 << 62 if tier == "l3_one_import" else pipeline_bytes
             where = twin if tier == "l3_one_import" else store
             llm = SkippyLlama(model, cache_settings=_settings(where, **kwargs), **common)
+            # l3: chunked (GPU builds' default; forced here on any build); l3_one_import: the
+            # same restore read whole, then imported whole
+            llm.pipeline_restores = tier != "l3_one_import"
             # L3: the first restore of a fresh process (a restart: its buffers are new), then a
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last run reads it
@@ -145,7 +145,6 @@ def bench_size(
             row[tier] = {**runs[0 if tier.startswith("l3") else -1], "runs": runs}
             row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
             llm.close()
-        seam.PIPELINE_BYTES = pipeline_bytes
     return row
 
 

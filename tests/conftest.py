@@ -2,9 +2,10 @@
 
 ``SKIPPY_TEST_GPU_LIKE=1`` makes a CPU build take a GPU build's cache paths in every test: each
 ``SkippyLlama`` gets ``granule = n_ubatch`` (``probes.canonical_granule`` patched) and
-``defer_record_tokens = DEFER_RECORD_TOKENS`` (every record waits), so reuse ends on micro-batch
-boundaries, replies inside one granule are not repaired and L3 records wait until another prompt
-takes the sequence, idle time or close. Coarser
+``defer_record_tokens = DEFER_RECORD_TOKENS`` (every record waits) and ``pipeline_restores``, so
+reuse ends on micro-batch boundaries, replies inside one granule are not repaired, L3 records wait
+until another prompt takes the sequence, idle time or close, and long L3 restores run in chunks.
+Coarser
 granules are exact on every backend, so cached answers must still equal cold ones. It cannot
 emulate a GPU's kernel numerics, L3's ``auto`` codec choice on GPU builds, nor the cost model's
 GPU rates (a GPU prefill that beats a restore); combine it with

@@ -12,7 +12,8 @@ Setter = Callable[[Any, str, Any], None]
 
 
 def gpu_like(set_attr: Setter = setattr) -> None:
-    """A GPU build's reuse granule (``n_ubatch``) and record deferral, on any build."""
+    """A GPU build's reuse granule (``n_ubatch``), record deferral and chunked restores, on
+    any build."""
     from skippy_llama.runtime import llama as runtime
     from skippy_llama.runtime import probes
 
@@ -24,6 +25,7 @@ def gpu_like(set_attr: Setter = setattr) -> None:
     def gpu_like_init(self: runtime.SkippyLlama, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.defer_record_tokens = runtime.DEFER_RECORD_TOKENS
+        self.pipeline_restores = True
 
     set_attr(probes, "canonical_granule", canonical_granule)
     set_attr(runtime.SkippyLlama, "__init__", gpu_like_init)

@@ -52,7 +52,7 @@ def restore_prefix(
         cache,
         llm.kv_layout,
         append=prompt.can_append,
-        pipeline=llm.native_verdict.append_import,
+        pipeline=llm.pipeline_restores and llm.native_verdict.append_import,
     )
     n = outcome.n_tokens
     llm.adopt(n, tokens if outcome.restored else None)

@@ -1,7 +1,7 @@
 """Page restores run a chunk at a time (``KVSeam._pipelined``), with the real SmolLM2 model.
 
-Where the append import is certified, a restore of more than ``PIPELINE_BYTES`` of state is
-cut into chunks: each chunk's pages are read on the seam's read-ahead thread while the
+On GPU builds (``SkippyLlama.pipeline_restores``, turned on here) where the append import is
+certified, a restore from L3 of more than ``PIPELINE_BYTES`` of state is cut into chunks: each chunk's pages are read on the seam's read-ahead thread while the
 previous chunk is imported. These tests shrink the chunk to one 64-token page so that a short
 prompt runs the whole pipeline, and compare the last logits with a cold prefill (CPU, flash
 attention off: bit-identical), for a restore from L3, one that continues an L1 prefix, one
@@ -61,6 +61,13 @@ def _settings(directory: Path, *, l1: bool = True, l2: str | None = None) -> Set
         "compression": "none",
     }
     return Settings(l1={"enabled": l1}, l2={"budget": l2}, l3=l3, page_tokens=PAGE)
+
+
+def _chunking(model: Path, settings: Settings) -> SkippyLlama:
+    """A SkippyLlama that chunks long L3 restores, as GPU builds do (off on the CPU)."""
+    llm = SkippyLlama(str(model), cache_settings=settings, **_kwargs())
+    llm.pipeline_restores = True
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +131,7 @@ def test_a_restore_in_one_page_chunks_equals_cold(
     cold: llama_cpp.Llama,
     imports: list[int],
 ) -> None:
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    llm = _chunking(smollm2_path, _settings(filled))
     try:
         if not llm.native_verdict.append_import:
             pytest.skip("the roster does not certify the append import on this backend")
@@ -149,7 +156,7 @@ def test_an_l1_prefix_continued_in_chunks_equals_cold(
     cold: llama_cpp.Llama,
     imports: list[int],
 ) -> None:
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    llm = _chunking(smollm2_path, _settings(filled))
     try:
         # the live sequence shares SHORT tokens with the pages L3 holds, then differs
         llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
@@ -178,7 +185,7 @@ def test_chunks_promoted_to_l2_serve_the_next_restore(
     """Each chunk is copied into L2 before the read-ahead thread's next read reuses its bytes:
     a later restore reads them from L2, whose digests would refuse bytes overwritten since."""
     settings = _settings(filled, l1=False, l2="64MiB")
-    llm = SkippyLlama(str(smollm2_path), cache_settings=settings, **_kwargs())
+    llm = _chunking(smollm2_path, settings)
     try:
         prompt = tokens[: LONG + 20]
         tiers, logits = [], []
@@ -219,7 +226,7 @@ def test_a_damaged_page_ends_the_pipelined_restore_before_it(
         value = store.get(key)
         assert isinstance(value, bytes)
         store.set(key, value[: len(value) // 2])
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
+    llm = _chunking(smollm2_path, _settings(filled))
     try:
         prompt = tokens[: LONG + 20]
         llm.create_completion(prompt, max_tokens=1)
@@ -245,7 +252,7 @@ def test_a_restore_from_l2_alone_is_imported_whole(
 ) -> None:
     """L2's pages are in RAM: nothing to read while importing, so no chunks."""
     settings = _settings(filled, l1=False, l2="64MiB")
-    llm = SkippyLlama(str(smollm2_path), cache_settings=settings, **_kwargs())
+    llm = _chunking(smollm2_path, settings)
     try:
         prompt = tokens[:LONG]  # what L3 holds, so this process records no new tail
         for _ in range(2):  # L2 copies each page on its second fill
