@@ -280,29 +280,11 @@ class KVSeam:
         """
         if layout is None:
             raise StateFormatError("the KV layout is unknown: pages cannot be assembled")
-        base = plan.base_tokens
-        pages = [
-            page_from_bytes(got.payload).head(want.used)
-            for got, want in zip(fetched, plan.pages, strict=True)
-        ]
-        if base:
-            if not append:
-                raise TierError("an append plan without append import")
-            if not pages or not pages[0].start <= base < pages[0].end:
-                raise StateFormatError("the append plan's first page does not reach past L1")
-            pages[0] = pages[0].span(base, pages[0].end)
-        if base + sum(p.n_tokens for p in pages) != plan.n_tokens:
-            raise StateFormatError("restored pages do not cover the planned prefix")
-        size = assembled_size(pages, layout, start=base)
-        buf: HostBuffer = self.buffers.take(size)
+        if plan.base_tokens and not append:
+            raise TierError("an append plan without append import")
+        buf, size = self._assemble(plan, fetched, 0, layout)
         try:
-            assemble_into(buf, pages, layout, seq_id=WORKING_SEQ, start=base)
-            if base:
-                self._place_base(plan, cache)
-                if not native_ext.append_import(self.ctx, memoryview(buf)[:size], WORKING_SEQ):
-                    raise TierError("skippy_state_seq_append_data refused the pages")
-            elif not native.set_seq_state(self.ctx, buf, WORKING_SEQ, size):
-                raise TierError("llama_state_seq_set_data refused the blob")
+            self._import(plan, cache, buf, size, first=True)
         finally:
             self.buffers.give(buf)
         return size
@@ -366,9 +348,10 @@ class KVSeam:
             notes.append(cache.short_note(plan, restored))
             faults.append(f"{plan.pages[restored].tier}_short_read")
             n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[restored:])
+            if not restored:
+                return None  # nothing was read: the working sequence is untouched
             if n_tokens <= plan.floor:
-                if restored:
-                    self.cut(self._intact(plan))  # a shallower plan does at least as well
+                self.cut(self._intact(plan))  # a shallower plan does at least as well
                 return None
             outcome.plan = plan.truncated(n_tokens)
         return outcome
@@ -376,18 +359,28 @@ class KVSeam:
     def _assemble(
         self, plan: RestorePlan, got: list[FetchedPage], first: int, layout: KVLayout
     ) -> tuple[HostBuffer, int]:
-        """Pages ``first ..`` of ``plan`` (``got``) as one blob in a pool buffer, and its size."""
+        """Pages ``first ..`` of ``plan`` (``got``) as one blob in a pool buffer, and its size.
+
+        Each page must hold the tokens the plan uses of it: a page shorter than its entry says
+        would leave the prefix short of what the runtime adopts."""
         want = plan.pages[first : first + len(got)]
         pages = [
             page_from_bytes(page.payload).head(ref.used)
             for page, ref in zip(got, want, strict=True)
         ]
-        base = plan.base_tokens
-        if first == 0 and base:
+        if not pages:
+            raise StateFormatError("nothing to assemble: no pages")
+        base = plan.base_tokens if first == 0 else 0
+        if base:
             if not pages[0].start <= base < pages[0].end:
                 raise StateFormatError("the append plan's first page does not reach past L1")
             pages[0] = pages[0].span(base, pages[0].end)
         start = pages[0].start
+        # where the plan's pages end, for those up to this chunk (the plan's last ends at
+        # n_tokens; ``used`` counts from each page's start)
+        end = plan.n_tokens - sum(ref.used for ref in plan.pages[first + len(got) :])
+        if start + sum(p.n_tokens for p in pages) != end:
+            raise StateFormatError("restored pages do not cover the planned prefix")
         size = assembled_size(pages, layout, start=start)
         buf = self.buffers.take(size)
         try:
