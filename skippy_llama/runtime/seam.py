@@ -206,13 +206,10 @@ class KVSeam:
         notes: list[str],
         faults: list[str],
     ) -> RestoreOutcome | None:
-        if (
-            pipeline
-            and layout is not None
-            and cache.reads_storage(plan)
-            and len(chunks(plan, layout)) > 1
-        ):
-            return self._pipelined(plan, cache, layout, notes, faults)
+        if pipeline and layout is not None and cache.reads_storage(plan):
+            parts = chunks(plan, layout)
+            if len(parts) > 1:
+                return self._pipelined(plan, parts, cache, layout, notes, faults)
         if plan.pages:
             fetched, short = cache.fetch(plan)
             if short is not None:
@@ -292,6 +289,7 @@ class KVSeam:
     def _pipelined(
         self,
         plan: RestorePlan,
+        parts: list[tuple[PageRef, ...]],
         cache: PrefixCache,
         layout: KVLayout,
         notes: list[str],
@@ -308,7 +306,6 @@ class KVSeam:
         """
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="skippy-restore")
-        parts = chunks(plan, layout)
         pending: Future[list[FetchedPage]] | None = self._ahead.submit(cache.fetch_pages, parts[0])
         fetched: list[FetchedPage] = []
         restored = 0  # pages imported
