@@ -17,10 +17,13 @@ wait, as on GPU builds) and of the waiting record when it is made (``waiting_rec
 ``--turn`` new tokens, 48-token greedy replies; ``--chat 8192 32000`` for several lengths) for
 plain Llama, SkippyLlama defaults and SkippyLlama with L3 on (``--chat-modes``), in one process,
 ``--rounds`` interleaved rounds: total and last-turn time over plain's, the time spent in
-SkippyLlama's steps, and whether replies agree.
+SkippyLlama's steps, the tokens each decoded in batches (exactness decodes a reply again, and
+on GPU builds the cells since the last ``n_ubatch`` boundary: ``prefilled_over_plain``), and
+whether replies agree. Each restore run also says where its time went (``phases_ms``).
+``--oneshot 2048`` adds the overhead where nothing can be reused (8 unrelated prompts).
 
     python benchmarks/bench_gpu.py MODEL.gguf --sizes 2048 8192 32000 --chat 8192 \
-        --out benchmarks/results/gpu.json
+        --oneshot 2048 --out benchmarks/results/gpu.json
 """
 
 from __future__ import annotations
@@ -130,7 +133,10 @@ def bench_size(
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last run reads it
             runs = []
+            phases = _timed_phases(llm)
             for _ in range(2 if tier.startswith("l3") else 3):
+                for key in phases:
+                    phases[key] = 0.0
                 seconds = _timed_eval(llm, query)
                 event = llm.last_cache_event
                 runs.append(
@@ -140,12 +146,54 @@ def bench_size(
                         "tier": event.tier if event else None,
                         "restore_ms": round(event.restore_ms, 2) if event else None,
                         "max_abs_dlogit": float(np.abs(_logits(llm) - cold).max()),
+                        "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()},
                     }
                 )
             row[tier] = {**runs[0 if tier.startswith("l3") else -1], "runs": runs}
             row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
             llm.close()
     return row
+
+
+#: Where a restore's time goes (inclusive wall time of each step, summed over one request):
+#: ``fetch`` reads and verifies pages (on the read-ahead thread for chunked restores, so it
+#: overlaps the others), ``take`` hands out a host buffer (waiting for its registration when
+#: it is still being pinned), ``assemble`` builds a blob from pages, ``import`` loads it into
+#: llama.cpp, ``capture`` copies a waiting record's cells out before the prompt overwrites them.
+RESTORE_PHASES = ("fetch", "take", "assemble", "import", "capture")
+
+
+def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
+    """Wrap ``llm``'s restore steps (instance attributes) to sum their wall time per phase."""
+    seam = llm.seam
+    owners = {
+        "fetch": (llm.prefix_cache, "fetch_pages"),
+        "take": (seam.buffers, "take"),
+        "assemble": (seam, "_assemble"),
+        "import": (seam, "_import"),
+        "capture": (seam, "capture"),
+    }
+    return _wrap_timed({name: owners[name] for name in RESTORE_PHASES})
+
+
+def _wrap_timed(targets: dict[str, tuple[Any, str]]) -> dict[str, float]:
+    """Replace each ``(owner, attribute)`` method by one that adds its wall time to the
+    returned dict under its name (reset the values to measure a span)."""
+    spent = dict.fromkeys(targets, 0.0)
+
+    def wrap(name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        return timed
+
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, wrap(name, getattr(owner, attr)))
+    return spent
 
 
 #: SkippyLlama steps timed in the chat (inclusive wall time, summed over the chat): where its
@@ -162,22 +210,39 @@ _STEP_OWNER = {
 
 def _timed_steps(llm: SkippyLlama) -> dict[str, float]:
     """Wrap ``llm``'s steps (instance attributes) to sum their wall time into the result."""
-    spent = dict.fromkeys(CHAT_STEPS, 0.0)
+    return _wrap_timed(
+        {
+            name: (getattr(llm, _STEP_OWNER[name]) if name in _STEP_OWNER else llm, name)
+            for name in CHAT_STEPS
+        }
+    )
 
-    def wrap(name: str, method: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
 
-        return timed
+class _DecodeCounter:
+    """Tokens each model object hands ``llama_decode``: in batches (prefills, a reply decoded
+    again) and alone (generated tokens). Counted at ``LlamaContext.decode``, the one call
+    ``Llama.eval`` and SkippyLlama's decodes go through, so plain and SkippyLlama are counted
+    alike: the difference is the tokens exactness makes SkippyLlama decode again."""
 
-    for name in CHAT_STEPS:
-        owner = getattr(llm, _STEP_OWNER[name]) if name in _STEP_OWNER else llm
-        setattr(owner, name, wrap(name, getattr(owner, name)))
-    return spent
+    def __init__(self) -> None:
+        self.batched: dict[int, int] = {}
+        self._original = llama_cpp._internals.LlamaContext.decode
+        counts = self.batched
+        original = self._original
+
+        def decode(ctx: Any, batch: Any) -> Any:
+            n = int(batch.n_tokens())
+            if n > 1:
+                counts[id(ctx)] = counts.get(id(ctx), 0) + n
+            return original(ctx, batch)
+
+        llama_cpp._internals.LlamaContext.decode = decode  # type: ignore[method-assign, assignment]
+
+    def batched_tokens(self, llm: llama_cpp.Llama) -> int:
+        return self.batched.get(id(llm._ctx), 0)
+
+    def close(self) -> None:
+        llama_cpp._internals.LlamaContext.decode = self._original  # type: ignore[method-assign]
 
 
 def _chat_turns(n: int, turn: int) -> list[list[int]]:
@@ -193,17 +258,24 @@ def _chat_turns(n: int, turn: int) -> list[list[int]]:
 def _chat_round(make: Any, user_turns: list[list[int]]) -> tuple[dict[str, Any], list[list[int]]]:
     llm = make()
     spent = _timed_steps(llm) if isinstance(llm, SkippyLlama) else None
+    counter = _DecodeCounter()
     history: list[int] = []
     times = []
+    prefilled = []
     got = []
-    for user in user_turns:
-        history = history + user
-        started = time.perf_counter()
-        res = llm.create_completion(history, max_tokens=48, temperature=0.0)
-        times.append(time.perf_counter() - started)
-        reply = llm.tokenize(res["choices"][0]["text"].encode(), add_bos=False)
-        got.append(reply)
-        history = history + reply
+    try:
+        for user in user_turns:
+            history = history + user
+            before = counter.batched_tokens(llm)
+            started = time.perf_counter()
+            res = llm.create_completion(history, max_tokens=48, temperature=0.0)
+            times.append(time.perf_counter() - started)
+            prefilled.append(counter.batched_tokens(llm) - before)
+            reply = llm.tokenize(res["choices"][0]["text"].encode(), add_bos=False)
+            got.append(reply)
+            history = history + reply
+    finally:
+        counter.close()
     started = time.perf_counter()
     llm.close()
     row: dict[str, Any] = {
@@ -211,6 +283,10 @@ def _chat_round(make: Any, user_turns: list[list[int]]) -> tuple[dict[str, Any],
         "last_turn_s": round(times[-1], 4),
         "close_s": round(time.perf_counter() - started, 4),
         "turn_s": [round(t, 4) for t in times],
+        # tokens decoded in batches per turn (the prompt's new tokens, plus what exactness
+        # decodes again: the previous reply and the cells since the last n_ubatch boundary)
+        "prefilled_tokens": sum(prefilled),
+        "last_turn_prefilled": prefilled[-1],
     }
     if spent is not None:
         row["steps_s"] = {k: round(v, 4) for k, v in spent.items()}
@@ -269,10 +345,68 @@ def bench_chat(
                     "min": round(ratios[0], 4),
                     "max": round(ratios[-1], 4),
                 }
+            summary["prefilled_over_plain"] = round(
+                rows[0]["prefilled_tokens"] / runs["plain"][0]["prefilled_tokens"], 4
+            )
             summary["replies_equal_plain"] = all(g == replies["plain"][0] for g in replies[name])
         # every round of a mode must answer alike (each starts from a fresh object)
         summary["replies_stable"] = all(g == replies[name][0] for g in replies[name])
         out[name] = summary
+    return out
+
+
+def bench_oneshot(
+    model: str, length: int, prompts: int, common: dict[str, Any], rounds: int
+) -> dict[str, Any]:
+    """The overhead where nothing can be reused: ``prompts`` unrelated prompts of ``length``
+    tokens, 16 greedy tokens each, on one model object per mode and round (plain ``Llama``,
+    SkippyLlama's defaults, SkippyLlama with L3 on: every prompt is recorded, none is read).
+    Ratios: per round, a mode's total over plain's; the median over rounds, with min and max."""
+    rng = np.random.default_rng(11)
+    work = [[int(t) for t in rng.integers(100, 30000, length)] for _ in range(prompts)]
+    out: dict[str, Any] = {"tokens": length, "prompts": prompts, "rounds": rounds}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def make(name: str) -> llama_cpp.Llama:
+            if name == "plain":
+                return llama_cpp.Llama(model, **common)
+            if name == "skippy":
+                return SkippyLlama(model, cache_settings=Settings(), **common)
+            store = Path(tempfile.mkdtemp(dir=tmp))
+            return SkippyLlama(model, cache_settings=_settings(store), **common)
+
+        modes = ["plain", "skippy", "skippy_l3"]
+        totals: dict[str, list[float]] = {m: [] for m in modes}
+        for r in range(rounds):
+            for name in modes[r % 3 :] + modes[: r % 3]:
+                llm = make(name)
+                started = time.perf_counter()
+                for prompt in work:
+                    llm.create_completion(prompt, max_tokens=16, temperature=0.0)
+                totals[name].append(time.perf_counter() - started)
+                llm.close()
+                print(
+                    json.dumps(
+                        {
+                            "oneshot": length,
+                            "round": r,
+                            "mode": name,
+                            "total_s": round(totals[name][-1], 4),
+                        }
+                    ),
+                    flush=True,
+                )
+    for name in modes[1:]:
+        ratios = sorted(a / b for a, b in zip(totals[name], totals["plain"], strict=True))
+        out[name] = {
+            "total_over_plain": {
+                "median": round(float(np.median(ratios)), 4),
+                "min": round(ratios[0], 4),
+                "max": round(ratios[-1], 4),
+            },
+            "total_s": [round(t, 4) for t in totals[name]],
+        }
+    out["plain"] = {"total_s": [round(t, 4) for t in totals["plain"]]}
     return out
 
 
@@ -292,8 +426,22 @@ def main() -> None:
         "(skippy_l3 with pin_host_buffers off)",
     )
     parser.add_argument("--turn", type=int, default=600, help="new tokens per chat turn")
+    parser.add_argument(
+        "--oneshot",
+        type=int,
+        nargs="*",
+        default=[],
+        help="prompt lengths of the nothing-to-reuse workload (8 unrelated prompts each)",
+    )
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--flash-attn", type=int, default=1)
+    parser.add_argument(
+        "--n-ubatch",
+        type=int,
+        default=None,
+        help="llama.cpp's n_ubatch for every model (default: its own, 512); on GPU builds cached "
+        "prefixes end on its multiples, so it sets how much a chat turn decodes again",
+    )
     parser.add_argument(
         "--buffers",
         choices=["default", "bytearray", "huge"],
@@ -307,13 +455,15 @@ def main() -> None:
         hostmem.MAPPED_BYTES = 1 << 62
     elif args.buffers == "huge":
         hostmem.HUGE_PAGES = True
-    n_ctx = max([*args.sizes, *args.chat]) + 1024
+    n_ctx = max([*args.sizes, *args.chat, *args.oneshot]) + 1024
     common = {
         "n_ctx": n_ctx,
         "n_gpu_layers": args.n_gpu_layers,
         "flash_attn": bool(args.flash_attn),
         "verbose": False,
     }
+    if args.n_ubatch:
+        common["n_ubatch"] = args.n_ubatch
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {
         "backend": native.backend_name(),
@@ -334,6 +484,16 @@ def main() -> None:
         for name in names:
             print(name, {k: v for k, v in chat[name].items() if k != "runs"}, flush=True)
         report["chats"].append(chat)
+    report["oneshot"] = []
+    for n in args.oneshot:
+        row = bench_oneshot(args.model, n, 8, common, max(args.rounds, 1))
+        print(
+            "oneshot",
+            n,
+            {k: v.get("total_over_plain") for k, v in row.items() if isinstance(v, dict)},
+            flush=True,
+        )
+        report["oneshot"].append(row)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -22,9 +22,14 @@
 #   GPU_UBATCH     n_batch = n_ubatch forced on every Llama in `test` (default 64: smaller than the
 #                  tests' ~170-token prompts, so canonical batching is exercised)
 #   GPU_LANES      pytest processes per n_gpu_layers value, the files dealt round-robin (default 1)
+#   GPU_THREADS    llama.cpp threads per model in `test` (default: the cores shared out over every
+#                  lane of every n_gpu_layers value; llama.cpp's spinning threads make an
+#                  oversubscribed machine crawl, at n_gpu_layers 0 above all)
 #   GPU_TEST_S     time limit per pytest process in seconds (default 3000)
 #   GPU_SIZES      prefix lengths of `bench gpu` (default "2048 8192 32000")
 #   GPU_CHAT       chat lengths of `bench gpu` (default 8192; "" for none); GPU_ROUNDS (default 3)
+#   GPU_ONESHOT    prompt lengths of `bench gpu`'s nothing-to-reuse workload (default 2048; "" for none)
+#   GPU_BENCH_ARGS more arguments for bench_gpu.py (e.g. "--n-ubatch 128")
 #   GPU_MODEL      the timing model (default $GPU_DIR/big.gguf, written by setup: 1.1B F16 llama)
 #   GPU_LD_PRELOAD preloaded for test and bench (default: the system libstdc++ where it exists: an
 #                  image whose Python loads an older libstdc++ than the CUDA build links against
@@ -234,9 +239,12 @@ cmd_test() {
   if [ ${#files[@]} -eq 0 ]; then
     files=("$ROOT"/tests/integration/test_*.py)
   fi
-  local lanes="${GPU_LANES:-1}" ngl lane i pids=()
+  local lanes="${GPU_LANES:-1}" ngl lane i pids=() settings
+  settings=(${GPU_NGL:--1 0})
+  local threads="${GPU_THREADS:-$(( $(nproc) / (lanes * ${#settings[@]}) ))}"
+  [ "$threads" -ge 1 ] || threads=1
   # the hook that gives every llama_cpp.Llama n_gpu_layers and n_batch = n_ubatch (tests/ untouched)
-  for ngl in ${GPU_NGL:--1 0}; do
+  for ngl in "${settings[@]}"; do
     for ((lane = 0; lane < lanes; lane++)); do
       local mine=()
       for ((i = lane; i < ${#files[@]}; i += lanes)); do mine+=("${files[$i]}"); done
@@ -245,7 +253,8 @@ cmd_test() {
       # llama_cpp.server's settings, which pass them explicitly (the hook's defaults miss them)
       (cd "$ROOT" && PYTHONPATH="$ROOT/tests/force_ngl:$PYTHONPATH" \
         N_GPU_LAYERS="$ngl" N_BATCH="${GPU_UBATCH:-64}" N_UBATCH="${GPU_UBATCH:-64}" \
-        LLCPP_FORCE_NGL="$ngl" LLCPP_FORCE_UBATCH="${GPU_UBATCH:-64}" \
+        N_THREADS="$threads" N_THREADS_BATCH="$threads" \
+        LLCPP_FORCE_NGL="$ngl" LLCPP_FORCE_UBATCH="${GPU_UBATCH:-64}" LLCPP_FORCE_THREADS="$threads" \
         timeout "${GPU_TEST_S:-3000}" "$PY" -m pytest -q -p no:cacheprovider -rs "${mine[@]}" \
         > "$OUT/tests_ngl${ngl}_lane$lane.log" 2>&1) &
       pids+=($!)
@@ -271,11 +280,16 @@ cmd_bench() {
     # shellcheck disable=SC2206  # a list of lengths
     chat=(--chat $lengths --rounds "${GPU_ROUNDS:-3}")
   fi
+  local oneshot="${GPU_ONESHOT-2048}"
+  if [ -n "$oneshot" ]; then
+    # shellcheck disable=SC2206  # a list of lengths
+    chat+=(--oneshot $oneshot)
+  fi
   cd "$ROOT"
   case "$what" in
     gpu)
       # shellcheck disable=SC2086  # lists of sizes
-      "$PY" benchmarks/bench_gpu.py "$model" --sizes ${GPU_SIZES:-2048 8192 32000} "${chat[@]}" \
+      "$PY" benchmarks/bench_gpu.py "$model" --sizes ${GPU_SIZES:-2048 8192 32000} "${chat[@]}" ${GPU_BENCH_ARGS:-} \
         --out "$OUT/gpu.json" 2>&1 | grep -v "n_ctx_seq\|hashing" | tee "$OUT/bench_gpu.log" | tail -40
       ;;
     matrix)

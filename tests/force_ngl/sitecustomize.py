@@ -1,7 +1,8 @@
 """Test-run hook (not part of the package; put this folder first on ``PYTHONPATH``): when LLCPP_FORCE_NGL is set, every llama_cpp.Llama built in
 this process (SkippyLlama and the tests' plain Llama alike) gets n_gpu_layers=LLCPP_FORCE_NGL unless the
-caller passed one; LLCPP_FORCE_UBATCH sets n_batch = n_ubatch and LLCPP_FORCE_FA turns flash attention
-on the same way (CPU + flash attention + small n_ubatch reproduces the GPU's canonical-batching
+caller passed one; LLCPP_FORCE_UBATCH sets n_batch = n_ubatch, LLCPP_FORCE_THREADS n_threads and
+n_threads_batch (several pytest lanes on one machine must not oversubscribe its cores: llama.cpp's
+threads spin) and LLCPP_FORCE_FA turns flash attention on the same way (CPU + flash attention + small n_ubatch reproduces the GPU's canonical-batching
 conditions locally). Subprocesses inherit it through PYTHONPATH. Chains to any other sitecustomize.
 
 Used by ``.ci/run``'s GPU-like lane (``LLCPP_FORCE_NGL=0 LLCPP_FORCE_UBATCH=64``) and by
@@ -39,6 +40,10 @@ if _ngl:
                     if ub:
                         kwargs.setdefault("n_batch", int(ub))
                         kwargs.setdefault("n_ubatch", int(ub))
+                    threads = os.environ.get("LLCPP_FORCE_THREADS")
+                    if threads:
+                        kwargs.setdefault("n_threads", int(threads))
+                        kwargs.setdefault("n_threads_batch", int(threads))
                     log = os.environ.get("LLCPP_FORCE_NGL_LOG")
                     if log:
                         with open(log, "a") as f:
