@@ -9,7 +9,8 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
   the first restore of a fresh process (reported), then one with its buffers reused (``runs``);
   ``l3`` chunked (``SkippyLlama.pipeline_restores``, where the append import is certified),
   ``l3_one_import`` the same restore read whole and imported whole;
-- L2: a third object with L1 off, its second request served from the RAM mirror;
+- L2: a third object with L1 off, its later requests served from the RAM mirror, in chunks
+  (``l2``, as GPU builds do) and as one blob (``l2_whole``);
 
 with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), the
 time of the L3 record after a request (``record_s``: on the request path; nothing where records
@@ -41,7 +42,7 @@ import numpy as np
 
 from skippy_llama import hostmem
 from skippy_llama.config import Settings
-from skippy_llama.runtime import native
+from skippy_llama.runtime import native, seam
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
@@ -118,6 +119,7 @@ def bench_size(
             ("l3", {"l1": False}),
             ("l3_one_import", {"l1": False}),
             ("l2", {"l1": False, "l2": "32GiB"}),
+            ("l2_whole", {"l1": False, "l2": "32GiB"}),
         ]
         # each L3 reader records its own query's pages: the one-import reader gets a copy of
         # the store as the recorder left it, so both restore the same prefix
@@ -129,12 +131,14 @@ def bench_size(
             # l3: chunked (GPU builds' default; forced here on any build); l3_one_import: the
             # same restore read whole, then imported whole
             llm.pipeline_restores = tier != "l3_one_import"
+            # l2: chunks (the default where restores are pipelined); l2_whole: one blob
+            llm.seam.chunk_ram_restores = tier != "l2_whole"
             # L3: the first restore of a fresh process (a restart: its buffers are new), then a
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
-            # tokens): its last run reads it
+            # tokens): its last runs read it, the last one reported (buffers settled)
             runs = []
             phases = _timed_phases(llm)
-            for _ in range(2 if tier.startswith("l3") else 3):
+            for _ in range(2 if tier.startswith("l3") else 4):
                 for key in phases:
                     phases[key] = 0.0
                 seconds = _timed_eval(llm, query)
@@ -156,11 +160,12 @@ def bench_size(
 
 
 #: Where a restore's time goes (inclusive wall time of each step, summed over one request):
-#: ``fetch`` reads and verifies pages (on the read-ahead thread for chunked restores, so it
-#: overlaps the others), ``take`` hands out a host buffer (waiting for its registration when
-#: it is still being pinned), ``assemble`` builds a blob from pages, ``import`` loads it into
-#: llama.cpp, ``capture`` copies a waiting record's cells out before the prompt overwrites them.
-RESTORE_PHASES = ("fetch", "take", "assemble", "import", "capture")
+#: ``fetch`` reads and verifies pages, ``take`` hands out a host buffer (waiting for its
+#: registration when it is still being pinned), ``assemble`` builds a blob from pages,
+#: ``promote`` copies pages read from L3 into L2, ``import`` loads a blob into llama.cpp,
+#: ``capture`` copies a waiting record's cells out before the prompt overwrites them. In a
+#: chunked restore fetch, assemble and promote run on the read-ahead thread, beside import.
+RESTORE_PHASES = ("fetch", "take", "assemble", "promote", "import", "capture")
 
 
 def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
@@ -170,6 +175,7 @@ def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
         "fetch": (llm.prefix_cache, "fetch_pages"),
         "take": (seam.buffers, "take"),
         "assemble": (seam, "_assemble"),
+        "promote": (llm.prefix_cache, "promote"),
         "import": (seam, "_import"),
         "capture": (seam, "capture"),
     }
@@ -449,8 +455,16 @@ def main() -> None:
         help="host buffers for KV bytes, to compare: the runtime's (lazily zeroed mappings), "
         "plain bytearrays, or mappings with transparent huge pages",
     )
+    parser.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=None,
+        help="state per chunk of a pipelined restore (default: the runtime's PIPELINE_BYTES, 64)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.chunk_mib:
+        seam.PIPELINE_BYTES = args.chunk_mib << 20
     if args.buffers == "bytearray":
         hostmem.MAPPED_BYTES = 1 << 62
     elif args.buffers == "huge":
@@ -470,6 +484,7 @@ def main() -> None:
         "devices": native.device_names(),
         "settings": {k: v for k, v in common.items() if k != "verbose"},
         "buffers": args.buffers,
+        "chunk_bytes": seam.PIPELINE_BYTES,
         "sizes": [],
     }
     for n in args.sizes:

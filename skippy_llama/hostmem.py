@@ -72,10 +72,11 @@ class BufferPool:
     """Host buffers passed between threads: :meth:`take` one, :meth:`give` it back when done.
 
     The runtime captures a record into a buffer and hands it to the L3 writer, which cuts the
-    pages out of it later; the next capture or restore must not write into it meanwhile. The
-    pool keeps the ``keep`` largest buffers given back, so in the steady state a process holds
-    one warm buffer (written again without page faults), and a second only while the writer
-    still reads the first.
+    pages out of it later; the next capture or restore must not write into it meanwhile. A
+    pipelined restore holds two at once: the chunk being imported and the next one being
+    assembled. The pool keeps the ``keep`` largest buffers given back, so in the steady state
+    a process reuses warm buffers (written again without page faults) instead of mapping
+    fresh ones.
 
     With a ``pinner`` (CUDA builds, :mod:`skippy_llama.pinned`) the buffers the pool keeps are
     page-locked, so their next state copy runs at DMA speed, and are unlocked before the pool
@@ -85,7 +86,7 @@ class BufferPool:
     only when the next request comes sooner.
     """
 
-    def __init__(self, keep: int = 1, pinner: Pinner | None = None) -> None:
+    def __init__(self, keep: int = 2, pinner: Pinner | None = None) -> None:
         self._keep = keep
         self._free: list[HostBuffer] = []
         self._lock = threading.Lock()
@@ -94,11 +95,14 @@ class BufferPool:
         self._pinning: dict[int, threading.Thread] = {}  # id() -> its registration, running
 
     def take(self, size: int = 0) -> HostBuffer:
-        """The largest buffer given back when it holds ``size`` bytes, else a fresh one of
-        ``size`` (the kept one is retired); an empty one when ``size`` is 0 and none is kept
-        (:func:`fit` replaces it)."""
+        """The smallest kept buffer that holds ``size`` bytes (the largest when ``size`` is 0),
+        else a fresh one of ``size`` (the largest kept one, too small, is retired); an empty
+        one when ``size`` is 0 and none is kept (:func:`fit` replaces it)."""
         with self._lock:
-            buf = self._free.pop(0) if self._free else None
+            fits = [i for i, b in enumerate(self._free) if len(b) >= size]
+            # the list is largest first: the last that fits is the smallest
+            at = fits[-1] if fits and size else 0
+            buf = self._free.pop(at) if self._free else None
         if buf is not None and len(buf) >= size:
             self._settle(buf)  # a state copy must not race the buffer's registration
             return buf

@@ -148,7 +148,7 @@ class SkippyLlama(llama_cpp.Llama):
         #: and in ``close``, so an orderly exit loses nothing. On the CPU a capture is a
         #: memcpy: nothing to save.
         self.defer_record_tokens = 0 if backend_name() == "CPU" else DEFER_RECORD_TOKENS
-        #: Long page restores from L3 (or the remote tier) run in chunks, read while the last is
+        #: Long page restores run in chunks, each read and assembled while the last is
         #: imported (``KVSeam._pipelined``; needs the append import). On GPU builds: the H100's
         #: first 32k-token L3 restore went from 0.56 to 0.34 of a cold prefill. On the CPU the
         #: import is a memcpy with nothing to hide behind: 4-7k SmolLM2 tokens measured even to

@@ -14,6 +14,7 @@ import logging
 import mmap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,18 @@ def chunks(plan: RestorePlan, layout: KVLayout) -> list[tuple[PageRef, ...]]:
     return [pages[i : i + step] for i in range(0, len(pages), step)]
 
 
+@dataclass
+class _Chunk:
+    """One chunk of a pipelined restore, read and assembled: its pages, the pool buffer
+    holding their blob (None when nothing was read) and the blob's size; ``short`` when fewer
+    pages were read than the chunk has (the restore ends with it)."""
+
+    got: list[FetchedPage]
+    buf: HostBuffer | None
+    size: int
+    short: bool
+
+
 def backend_name() -> str:
     """The llama.cpp backend that holds the KV cache (``CPU``, ``CUDA`` ...)."""
     return native.backend_name()
@@ -70,6 +83,10 @@ class KVSeam:
         self.ctx = ctx
         self.buffers = buffers
         self.on_device = on_device
+        #: Whether a pipelined restore wholly from L2 (host RAM, nothing to read) runs in
+        #: chunks too: each chunk is then assembled while the previous one is imported, in two
+        #: small pool buffers kept warm and pinned, instead of one blob of the whole prefix.
+        self.chunk_ram_restores = True
         #: reads a pipelined restore's next chunk of pages (one per seam: a thread's L3 read
         #: buffer is reused by its next read, so two restores must not share the thread)
         self._ahead: ThreadPoolExecutor | None = None
@@ -173,11 +190,9 @@ class KVSeam:
         ``prompt.tokens[:plan.keep]``; fall back to shallower plans on failure. Never raises.
 
         ``append``: append plans may run (an L1 prefix continued with pages). ``pipeline``:
-        the append import is available, so a long page restore that reads storage or the
-        network runs a chunk at a time, each chunk's pages read while the previous chunk is
-        imported (:meth:`_pipelined`); one from L2's RAM has no read to hide and is imported
-        whole (on the H100 chunks cost a 32k-token restore 0.31 -> 0.35 of cold once its
-        buffers were warm, and won 0.56 -> 0.34 on a fresh process's first).
+        the append import is available, so a page restore of more than ``PIPELINE_BYTES``
+        runs a chunk at a time, each chunk read and assembled while the previous one is
+        imported (:meth:`_pipelined`; one wholly from L2 only with ``chunk_ram_restores``).
         """
         started = time.perf_counter()
         notes: list[str] = []
@@ -206,7 +221,11 @@ class KVSeam:
         notes: list[str],
         faults: list[str],
     ) -> RestoreOutcome | None:
-        if pipeline and layout is not None and cache.reads_storage(plan):
+        if (
+            pipeline
+            and layout is not None
+            and (self.chunk_ram_restores or cache.reads_storage(plan))
+        ):
             parts = chunks(plan, layout)
             if len(parts) > 1:
                 return self._pipelined(plan, parts, cache, layout, notes, faults)
@@ -295,49 +314,54 @@ class KVSeam:
         notes: list[str],
         faults: list[str],
     ) -> RestoreOutcome | None:
-        """A page restore a chunk at a time: while one chunk is assembled and imported (the
-        import's device copies release the GIL), the read-ahead thread reads, verifies and
-        decodes the next. The first chunk rebuilds the prefix (``set_data``) or continues the
-        plan's L1 prefix; the others are append-imported after it. Each chunk is promoted to
-        the shallower tiers before the thread's next read reuses its bytes.
+        """A page restore a chunk at a time, two stages deep: while one chunk is imported (its
+        device copies release the GIL), the read-ahead thread reads, verifies, decodes and
+        assembles the next one into a second pool buffer (:meth:`_prepare`). The first chunk
+        rebuilds the prefix (``set_data``) or continues the plan's L1 prefix; the others are
+        append-imported after it.
 
         A short fetch ends the restore where the pages end (like :meth:`_try`); a failure
         clears the working sequence and asks for a shallower plan.
         """
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="skippy-restore")
-        pending: Future[list[FetchedPage]] | None = self._ahead.submit(cache.fetch_pages, parts[0])
+        ahead = self._ahead
+        pending: Future[_Chunk] | None = ahead.submit(
+            self._prepare, plan, parts[0], 0, cache, layout
+        )
         fetched: list[FetchedPage] = []
-        restored = 0  # pages imported
         size = 0
         try:
-            for i, part in enumerate(parts):
+            for i in range(len(parts)):
                 assert pending is not None
-                got = pending.result()
+                chunk = pending.result()
                 pending = None
-                short = len(got) < len(part)
-                if short and not fetched and not got:
-                    break  # nothing read: the working sequence is untouched
-                if got:
-                    buf, n = self._assemble(plan, got, restored, layout)
-                    cache.promote(got, plan.n_tokens)  # before the next read reuses the bytes
-                    if not short and i + 1 < len(parts):
-                        pending = self._ahead.submit(cache.fetch_pages, parts[i + 1])
-                    try:
-                        self._import(plan, cache, buf, n, first=restored == 0)
-                    finally:
-                        self.buffers.give(buf)
-                    fetched += got
-                    restored += len(got)
-                    size += n
-                if short:
+                if chunk.buf is None:
+                    break  # nothing read (short): the restore ends before this chunk
+                restored = len(fetched)
+                if not chunk.short and i + 1 < len(parts):
+                    pending = ahead.submit(
+                        self._prepare, plan, parts[i + 1], restored + len(chunk.got), cache, layout
+                    )
+                try:
+                    self._import(plan, cache, chunk.buf, chunk.size, first=restored == 0)
+                finally:
+                    self.buffers.give(chunk.buf)
+                fetched += chunk.got
+                size += chunk.size
+                if chunk.short:
                     break
         except Exception as exc:
             if pending is not None:
                 pending.cancel()
                 with contextlib.suppress(Exception):
-                    pending.result()  # no read may still be writing when the next one starts
+                    # no read may still be writing when the next one starts, and the buffer it
+                    # assembled goes back to the pool
+                    left = pending.result()
+                    if left.buf is not None:
+                        self.buffers.give(left.buf)
             return self._failed(plan.tier, exc, notes, faults, self._intact(plan))
+        restored = len(fetched)
         outcome = RestoreOutcome(
             plan, restored=True, restored_bytes=size, fetched=tuple(fetched), promoted=True
         )
@@ -352,6 +376,28 @@ class KVSeam:
                 return None
             outcome.plan = plan.truncated(n_tokens)
         return outcome
+
+    def _prepare(
+        self,
+        plan: RestorePlan,
+        part: tuple[PageRef, ...],
+        first: int,
+        cache: PrefixCache,
+        layout: KVLayout,
+    ) -> _Chunk:
+        """The read-ahead thread's stage: chunk ``part`` (pages ``first ..`` of ``plan``)
+        fetched, assembled into a pool buffer, and promoted to the shallower tiers before this
+        thread's next read reuses its read buffer."""
+        got = cache.fetch_pages(part)
+        if not got:
+            return _Chunk(got, None, 0, short=True)
+        buf, size = self._assemble(plan, got, first, layout)
+        try:
+            cache.promote(got, plan.n_tokens)
+        except BaseException:
+            self.buffers.give(buf)
+            raise
+        return _Chunk(got, buf, size, short=len(got) < len(part))
 
     def _assemble(
         self, plan: RestorePlan, got: list[FetchedPage], first: int, layout: KVLayout

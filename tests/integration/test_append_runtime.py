@@ -1,17 +1,28 @@
-"""An L1 prefix continued by L3 pages (append import), with the real SmolLM2 model.
+"""Page restores built on the append import, with the real SmolLM2 model.
 
-On a patched library whose roster row certifies ``append_import_exact``, a prompt whose L1 prefix
-(the live sequence or a resident checkpoint) is shorter than what L3 holds keeps the L1 part and
-append-imports only the pages past it; on a stock library the same prompt restores every page from
-L3 (today's path). Either way the logits are bit-identical to a cold prefill (CPU, flash
-attention off), and the event says which split was taken.
+An L1 prefix continued by L3 pages: on a patched library whose roster row certifies
+``append_import_exact``, a prompt whose L1 prefix (the live sequence or a resident checkpoint) is
+shorter than what L3 holds keeps the L1 part and append-imports only the pages past it; on a stock
+library the same prompt restores every page from L3. Either way the logits are bit-identical to a
+cold prefill (CPU, flash attention off), and the event says which split was taken.
+
+Pipelined restores (``KVSeam._pipelined``): on GPU builds (``SkippyLlama.pipeline_restores``,
+turned on here) where the append import is certified, a page restore of more than
+``PIPELINE_BYTES`` of state is cut into chunks, each read and assembled on the seam's read-ahead
+thread while the previous one is imported. These tests shrink the chunk to one 64-token page so
+that a short prompt runs the whole pipeline: a restore from L3, one that continues an L1 prefix,
+one whose L3 pages are promoted to L2 chunk by chunk, one cut short by a damaged page, and one
+wholly from L2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import diskcache
 import llama_cpp
 import numpy as np
 import pytest
@@ -20,7 +31,7 @@ from modelhelpers import TEXT, aligned, cold_logits, last_logits
 from skippy_llama.config import Settings
 from skippy_llama.costs import AlwaysRestore
 from skippy_llama.events import CacheEvent
-from skippy_llama.runtime import native_ext
+from skippy_llama.runtime import native_ext, seam
 from skippy_llama.runtime.llama import SkippyLlama
 
 pytestmark = pytest.mark.model
@@ -42,9 +53,28 @@ def _kwargs() -> dict[str, object]:
     }
 
 
-def _settings(directory: Path) -> Settings:
-    l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(directory), "minimum_free": "1GiB"}
-    return Settings(l3=l3, page_tokens=PAGE)
+def _settings(
+    directory: Path, *, l1: bool = True, l2: str | None = None, compression: str | None = None
+) -> Settings:
+    l3: dict[str, str] = {
+        "mode": "fixed",
+        "budget": "1GiB",
+        "directory": str(directory),
+        "minimum_free": "1GiB",
+    }
+    if compression is not None:
+        l3["compression"] = compression
+    return Settings(l1={"enabled": l1}, l2={"budget": l2}, l3=l3, page_tokens=PAGE)
+
+
+def _fill(model: Path, tokens: list[int], settings: Settings) -> None:
+    """Store the pages of ``tokens[:LONG]`` in L3 (written by another instance)."""
+    llm = SkippyLlama(str(model), cache_settings=settings, **_kwargs())
+    try:
+        llm.eval(tokens[:LONG])
+        assert llm.prefix_cache.disk is not None and llm.flush_cache()
+    finally:
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +95,8 @@ def cold(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
 
 @pytest.fixture
 def filled(smollm2_path: Path, tokens: list[int], tmp_path: Path) -> Path:
-    """An L3 directory holding the pages of ``tokens[:LONG]`` (written by another instance)."""
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(tmp_path), **_kwargs())
-    try:
-        llm.eval(tokens[:LONG])
-        assert llm.prefix_cache.disk is not None and llm.flush_cache()
-    finally:
-        llm.close()
+    """An L3 directory holding the pages of ``tokens[:LONG]``."""
+    _fill(smollm2_path, tokens, _settings(tmp_path))
     return tmp_path
 
 
@@ -153,4 +178,214 @@ def test_a_refused_append_falls_back_and_stays_exact(
     assert event is not None and event.fallbacks and event.l1_tokens == 0
     assert event.tier == "l1" and event.cached_tokens == aligned(llm, SHORT)
     assert sum(n for reason, n in fallbacks.items() if reason.startswith("l3")) == 1
+    assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+# -- pipelined restores ------------------------------------------------------------------
+
+#: the pipelined restores need the patched append import and its certification
+pipelined = pytest.mark.skipif(not PATCHED, reason="the append import needs the patched build")
+
+
+_MAN, _DATA = b"\x04", b"\x07"
+
+
+@pytest.fixture
+def raw(smollm2_path: Path, tokens: list[int], tmp_path: Path) -> Path:
+    """:func:`filled`, with pages stored uncompressed as GPU builds store them (L3 then serves
+    views into its reused read buffer, which each chunk must be done with in time)."""
+    _fill(smollm2_path, tokens, _settings(tmp_path, compression="none"))
+    return tmp_path
+
+
+def _chunking(model: Path, settings: Settings) -> SkippyLlama:
+    """A SkippyLlama that chunks long L3 restores, as GPU builds do (off on the CPU)."""
+    llm = SkippyLlama(str(model), cache_settings=settings, **_kwargs())
+    llm.pipeline_restores = True
+    return llm
+
+
+@pytest.fixture
+def imports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One page per chunk; the sizes of the append imports the seam makes, in order."""
+    monkeypatch.setattr(seam, "PIPELINE_BYTES", 1)
+    sizes: list[int] = []
+    real: Callable[..., bool] = native_ext.append_import
+
+    def counting(ctx: Any, blob: memoryview, seq_id: int) -> bool:
+        sizes.append(len(blob))
+        return real(ctx, blob, seq_id)
+
+    monkeypatch.setattr(native_ext, "append_import", counting)
+    return sizes
+
+
+def _pages_stored(directory: Path) -> list[str]:
+    """The page keys (hex) of the longest manifest L3 holds, in order."""
+    with diskcache.Cache(str(directory)) as store:
+        found = [
+            json.loads(store.get(key))
+            for key in store.iterkeys()
+            if isinstance(key, bytes) and key[:1] == _MAN
+        ]
+    return [page[0] for page in max(found, key=lambda man: man["n_tokens"])["pages"]]
+
+
+@pytest.mark.certified_backend
+@pipelined
+def test_a_restore_in_one_page_chunks_equals_cold(
+    smollm2_path: Path,
+    tokens: list[int],
+    raw: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    llm = _chunking(smollm2_path, _settings(raw))
+    try:
+        if not llm.native_verdict.append_import:
+            pytest.skip("the roster does not certify the append import on this backend")
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l3" and not event.fallbacks
+    assert event.cached_tokens == aligned(llm, LONG - 2)
+    # the first chunk rebuilds the prefix (set_data); every later page is appended
+    n_pages = -(-event.cached_tokens // PAGE)
+    assert len(imports) == n_pages - 1
+    assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+@pytest.mark.certified_backend
+@pipelined
+def test_an_l1_prefix_continued_in_chunks_equals_cold(
+    smollm2_path: Path,
+    tokens: list[int],
+    raw: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    llm = _chunking(smollm2_path, _settings(raw))
+    try:
+        # the live sequence shares SHORT tokens with the pages L3 holds, then differs
+        llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
+        imports.clear()
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l3"
+    assert event.l1_tokens == aligned(llm, SHORT)
+    assert event.cached_tokens == aligned(llm, LONG - 2)
+    # every page from the one holding position SHORT on, one import each
+    assert len(imports) == -(-event.cached_tokens // PAGE) - SHORT // PAGE
+    assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+@pytest.mark.certified_backend
+@pipelined
+def test_chunks_promoted_to_l2_serve_the_next_restore(
+    smollm2_path: Path,
+    tokens: list[int],
+    raw: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    """Each chunk is copied into L2 before the read-ahead thread's next read reuses its bytes:
+    a later restore reads them from L2, whose digests would refuse bytes overwritten since."""
+    settings = _settings(raw, l1=False, l2="64MiB")
+    llm = _chunking(smollm2_path, settings)
+    try:
+        prompt = tokens[: LONG + 20]
+        tiers, logits = [], []
+        for _ in range(3):
+            llm.create_completion(prompt, max_tokens=1)
+            assert llm.last_cache_event is not None
+            tiers.append(llm.last_cache_event.tier)
+            logits.append(last_logits(llm))
+            # L1 off: another prompt displaces the live sequence, so the next one restores
+            llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
+        ram = llm.prefix_cache.ram
+        assert ram is not None
+        l2 = ram.status()
+    finally:
+        llm.close()
+    # L2 copies a page on its second fill: the third restore takes every page from L2 (which
+    # checks each copy's digest) but, where reuse is token-granular, the tail this process
+    # recorded anew (then the restore is named for L3)
+    assert tiers[:2] == ["l3", "l3"] and tiers[2] in ("l2", "l3") and len(imports) > 0
+    full = (LONG + 20 - 2) // PAGE
+    assert l2.promotions >= full and l2.hits >= full, l2
+    assert l2.digest_mismatches == 0, l2
+    expected = cold_logits(cold, prompt)
+    assert all(np.array_equal(got, expected) for got in logits)
+
+
+@pytest.mark.certified_backend
+@pipelined
+def test_a_damaged_page_ends_the_pipelined_restore_before_it(
+    smollm2_path: Path,
+    tokens: list[int],
+    raw: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+) -> None:
+    keys = _pages_stored(raw)
+    assert len(keys) >= 5
+    with diskcache.Cache(str(raw)) as store:
+        key = _DATA + bytes.fromhex(keys[3])
+        value = store.get(key)
+        assert isinstance(value, bytes)
+        store.set(key, value[: len(value) // 2])
+    llm = _chunking(smollm2_path, _settings(raw))
+    try:
+        prompt = tokens[: LONG + 20]
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+        counters = llm.prefix_cache.counters
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l3"
+    assert event.cached_tokens == aligned(llm, 3 * PAGE)  # pages 0-2, imported before page 3
+    assert len(imports) == 2
+    assert counters.fallbacks["l3_short_read"] == 1
+    assert any("failed verification" in note for note in event.fallbacks)
+    assert np.array_equal(got, cold_logits(cold, prompt))
+
+
+@pytest.mark.certified_backend
+@pipelined
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_restore_from_l2_alone_runs_in_chunks_unless_told_not_to(
+    smollm2_path: Path,
+    tokens: list[int],
+    raw: Path,
+    cold: llama_cpp.Llama,
+    imports: list[int],
+    chunked: bool,
+) -> None:
+    """L2's pages are in RAM: chunks then overlap assembly with the import, in small warm
+    buffers; ``chunk_ram_restores`` off imports them whole."""
+    settings = _settings(raw, l1=False, l2="64MiB")
+    llm = _chunking(smollm2_path, settings)
+    llm.seam.chunk_ram_restores = chunked
+    try:
+        prompt = tokens[:LONG]  # what L3 holds, so this process records no new tail
+        for _ in range(2):  # L2 copies each page on its second fill
+            llm.create_completion(prompt, max_tokens=1)
+            llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
+        imports.clear()
+        llm.create_completion(prompt, max_tokens=1)
+        event = llm.last_cache_event
+        got = last_logits(llm)
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "l2" and not event.fallbacks
+    assert event.cached_tokens == aligned(llm, LONG - 2)
+    assert len(imports) == (-(-event.cached_tokens // PAGE) - 1 if chunked else 0)
     assert np.array_equal(got, cold_logits(cold, prompt))

@@ -41,6 +41,21 @@ def test_a_pool_hands_out_what_was_given_back_keeping_the_largest() -> None:
     assert pool.take() == bytearray()
 
 
+def test_a_pool_lends_the_smallest_kept_buffer_that_fits() -> None:
+    """A pipelined restore holds two chunk buffers while a capture may hold a large one: a
+    small request must not take the large buffer the next large request needs."""
+    pool = BufferPool()
+    large, chunk_a, chunk_b = bytearray(1000), bytearray(100), bytearray(120)
+    pool.give(large)
+    pool.give(chunk_a)  # the default keeps two: chunk_a is kept beside large
+    assert pool.take(90) is chunk_a
+    pool.give(chunk_a)
+    pool.give(chunk_b)  # three given back: the smallest (chunk_a) is dropped
+    assert pool.take(90) is chunk_b and pool.take(90) is large
+    pool.give(large)
+    assert pool.take(0) is large  # size unknown (a capture): the largest
+
+
 class _LedgerPinner:
     """Keeps the set of registered buffers (the contract CudaPinner keeps with libcudart)."""
 
