@@ -93,7 +93,10 @@ def bench_size(
             record_s.append(time.perf_counter() - started)
 
         recorder.recorder.after_request = timed_record  # type: ignore[method-assign]
-        recorder.eval(base)  # L3 gets the prefix (all but its last two tokens)
+        # an earlier question about the same document: L3 gets the document's every granule
+        # (a record stops two tokens short of its prompt, so the document alone would leave
+        # its last granule out and the restores below would prefill it with the suffix)
+        recorder.eval(base + other[:SUFFIX])
         # a GPU build's record waits (off the request path): made here, as idle time or
         # close() would make it
         started = time.perf_counter()
