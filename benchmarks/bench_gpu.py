@@ -9,8 +9,8 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
   the first restore of a fresh process (reported), then one with its buffers reused (``runs``);
   ``l3`` chunked (``SkippyLlama.pipeline_restores``, where the append import is certified),
   ``l3_one_import`` the same restore read whole and imported whole;
-- L2: a third object with L1 off, its later requests served from the RAM mirror, in chunks
-  (``l2``, as GPU builds do) and as one blob (``l2_whole``);
+- L2: a third object with L1 off, its later requests served from the RAM mirror, as one blob
+  (``l2``, the default) and in chunks (``l2_chunked``, ``KVSeam.chunk_ram_restores``);
 
 with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), the
 time of the L3 record after a request (``record_s``: on the request path; nothing where records
@@ -122,7 +122,7 @@ def bench_size(
             ("l3", {"l1": False}),
             ("l3_one_import", {"l1": False}),
             ("l2", {"l1": False, "l2": "32GiB"}),
-            ("l2_whole", {"l1": False, "l2": "32GiB"}),
+            ("l2_chunked", {"l1": False, "l2": "32GiB"}),
         ]
         # each L3 reader records its own query's pages: the one-import reader gets a copy of
         # the store as the recorder left it, so both restore the same prefix
@@ -134,8 +134,8 @@ def bench_size(
             # l3: chunked (GPU builds' default; forced here on any build); l3_one_import: the
             # same restore read whole, then imported whole
             llm.pipeline_restores = tier != "l3_one_import"
-            # l2: chunks (the default where restores are pipelined); l2_whole: one blob
-            llm.seam.chunk_ram_restores = tier != "l2_whole"
+            # l2: one blob (the default); l2_chunked: in chunks like a restore that reads L3
+            llm.seam.chunk_ram_restores = tier == "l2_chunked"
             # L3: the first restore of a fresh process (a restart: its buffers are new), then a
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last runs read it, the last one reported (buffers settled)

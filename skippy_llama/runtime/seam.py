@@ -84,9 +84,11 @@ class KVSeam:
         self.buffers = buffers
         self.on_device = on_device
         #: Whether a pipelined restore wholly from L2 (host RAM, nothing to read) runs in
-        #: chunks too: each chunk is then assembled while the previous one is imported, in two
-        #: small pool buffers kept warm and pinned, instead of one blob of the whole prefix.
-        self.chunk_ram_restores = True
+        #: chunks too, each assembled while the previous one is imported, in two chunk-sized
+        #: pool buffers instead of one blob of the whole prefix. Off: on the H100 (session 39)
+        #: whole L2 imports were measured, chunked ones not yet (``bench_gpu.py``'s
+        #: ``l2_chunked`` compares them).
+        self.chunk_ram_restores = False
         #: reads a pipelined restore's next chunk of pages (one per seam: a thread's L3 read
         #: buffer is reused by its next read, so two restores must not share the thread)
         self._ahead: ThreadPoolExecutor | None = None

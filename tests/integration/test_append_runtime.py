@@ -361,7 +361,7 @@ def test_a_damaged_page_ends_the_pipelined_restore_before_it(
 @pytest.mark.certified_backend
 @pipelined
 @pytest.mark.parametrize("chunked", [True, False])
-def test_a_restore_from_l2_alone_runs_in_chunks_unless_told_not_to(
+def test_a_restore_from_l2_alone_is_imported_whole_unless_chunked(
     smollm2_path: Path,
     tokens: list[int],
     raw: Path,
@@ -369,8 +369,9 @@ def test_a_restore_from_l2_alone_runs_in_chunks_unless_told_not_to(
     imports: list[int],
     chunked: bool,
 ) -> None:
-    """L2's pages are in RAM: chunks then overlap assembly with the import, in small warm
-    buffers; ``chunk_ram_restores`` off imports them whole."""
+    """L2's pages are in RAM, with no read to hide: imported whole by default, in chunks (each
+    assembled while the last is imported) with ``chunk_ram_restores``; cold's logits either
+    way."""
     settings = _settings(raw, l1=False, l2="64MiB")
     llm = _chunking(smollm2_path, settings)
     llm.seam.chunk_ram_restores = chunked
