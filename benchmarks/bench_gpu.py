@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -482,7 +484,12 @@ def main() -> None:
     if args.n_ubatch:
         common["n_ubatch"] = args.n_ubatch
     rng = np.random.default_rng(0)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     report: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "commit": commit or None,  # None: a copy without git (the lent GPU machines)
         "backend": native.backend_name(),
         "devices": native.device_names(),
         "settings": {k: v for k, v in common.items() if k != "verbose"},
