@@ -25,6 +25,7 @@ from typing import Any
 import diskcache
 import llama_cpp
 import numpy as np
+import numpy.typing as npt
 import pytest
 from modelhelpers import TEXT, aligned, cold_logits, last_logits
 
@@ -77,6 +78,31 @@ def _fill(model: Path, tokens: list[int], settings: Settings) -> None:
         llm.close()
 
 
+@pytest.fixture
+def open_llm(smollm2_path: Path) -> Iterator[Callable[..., SkippyLlama]]:
+    """Opens SkippyLlamas on the test model (closed at teardown); ``chunked`` makes one chunk
+    long page restores as GPU builds do (off on the CPU)."""
+    made: list[SkippyLlama] = []
+
+    def open_one(settings: Settings, *, chunked: bool = False) -> SkippyLlama:
+        llm = SkippyLlama(str(smollm2_path), cache_settings=settings, **_kwargs())
+        llm.pipeline_restores = chunked
+        made.append(llm)
+        return llm
+
+    yield open_one
+    for llm in made:
+        llm.close()
+
+
+def _answer(llm: SkippyLlama, prompt: list[int]) -> tuple[CacheEvent, npt.NDArray[np.float32]]:
+    """The event ``prompt``'s completion left and its last logits."""
+    llm.create_completion(prompt, max_tokens=1)
+    event = llm.last_cache_event
+    assert event is not None
+    return event, last_logits(llm)
+
+
 @pytest.fixture(scope="module")
 def tokens(smollm2_path: Path) -> list[int]:
     llm = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
@@ -100,12 +126,11 @@ def filled(smollm2_path: Path, tokens: list[int], tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _expect_split(llm: SkippyLlama, event: CacheEvent | None, n_cached: int) -> None:
+def _expect_split(llm: SkippyLlama, event: CacheEvent, n_cached: int) -> None:
     """Patched and certified: L1 prefix + appended pages; otherwise every page from L3.
 
     Reuse ends on whole granules (GPU builds: see ``SkippyLlama.granule``).
     """
-    assert event is not None
     assert event.tier == "l3"
     assert event.cached_tokens == aligned(llm, n_cached)
     if llm.native_verdict.append_import:
@@ -116,39 +141,28 @@ def _expect_split(llm: SkippyLlama, event: CacheEvent | None, n_cached: int) -> 
 
 
 def test_live_prefix_continued_by_l3_pages(
-    smollm2_path: Path, tokens: list[int], filled: Path, cold: llama_cpp.Llama
+    open_llm: Callable[..., SkippyLlama], tokens: list[int], filled: Path, cold: llama_cpp.Llama
 ) -> None:
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
-    try:
-        # the live sequence shares SHORT tokens with the pages L3 holds, then differs
-        other = tokens[LONG + 50 : LONG + 90]
-        assert other[0] != tokens[SHORT]
-        llm.create_completion(tokens[:SHORT] + other, max_tokens=1)
-        prompt = tokens[: LONG + 20]
-        llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-    finally:
-        llm.close()
+    llm = open_llm(_settings(filled))
+    # the live sequence shares SHORT tokens with the pages L3 holds, then differs
+    other = tokens[LONG + 50 : LONG + 90]
+    assert other[0] != tokens[SHORT]
+    llm.create_completion(tokens[:SHORT] + other, max_tokens=1)
+    prompt = tokens[: LONG + 20]
+    event, got = _answer(llm, prompt)
     _expect_split(llm, event, LONG - 2)
     assert np.array_equal(got, cold_logits(cold, prompt))
 
 
 def test_resident_prefix_continued_by_l3_pages(
-    smollm2_path: Path, tokens: list[int], filled: Path, cold: llama_cpp.Llama
+    open_llm: Callable[..., SkippyLlama], tokens: list[int], filled: Path, cold: llama_cpp.Llama
 ) -> None:
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
-    try:
-        # the resident checkpoint shares SHORT tokens with the pages L3 holds
-        llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
-        llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)  # parks it
-        prompt = tokens[: LONG + 20]
-        llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-    finally:
-        llm.close()
-    assert event is not None
+    llm = open_llm(_settings(filled))
+    # the resident checkpoint shares SHORT tokens with the pages L3 holds
+    llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
+    llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)  # parks it
+    prompt = tokens[: LONG + 20]
+    event, got = _answer(llm, prompt)
     _expect_split(llm, event, LONG - 2)
     assert np.array_equal(got, cold_logits(cold, prompt))
 
@@ -156,7 +170,7 @@ def test_resident_prefix_continued_by_l3_pages(
 @pytest.mark.certified_backend
 @pytest.mark.skipif(not PATCHED, reason="needs the patched llama.cpp build")
 def test_a_refused_append_falls_back_and_stays_exact(
-    smollm2_path: Path,
+    open_llm: Callable[..., SkippyLlama],
     tokens: list[int],
     filled: Path,
     cold: llama_cpp.Llama,
@@ -164,18 +178,13 @@ def test_a_refused_append_falls_back_and_stays_exact(
 ) -> None:
     """Fault injection: the library refuses the append; the request falls back to what L1 alone
     holds (the live prefix the append was to continue, left in place) and stays exact."""
-    llm = SkippyLlama(str(smollm2_path), cache_settings=_settings(filled), **_kwargs())
-    try:
-        llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
-        monkeypatch.setattr(native_ext, "append_import", lambda *_: False)
-        prompt = tokens[: LONG + 20]
-        llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-        fallbacks = dict(llm.prefix_cache.counters.fallbacks)
-    finally:
-        llm.close()
-    assert event is not None and event.fallbacks and event.l1_tokens == 0
+    llm = open_llm(_settings(filled))
+    llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
+    monkeypatch.setattr(native_ext, "append_import", lambda *_: False)
+    prompt = tokens[: LONG + 20]
+    event, got = _answer(llm, prompt)
+    fallbacks = llm.prefix_cache.counters.fallbacks
+    assert event.fallbacks and event.l1_tokens == 0
     assert event.tier == "l1" and event.cached_tokens == aligned(llm, SHORT)
     assert sum(n for reason, n in fallbacks.items() if reason.startswith("l3")) == 1
     assert np.array_equal(got, cold_logits(cold, prompt))
@@ -196,13 +205,6 @@ def raw(smollm2_path: Path, tokens: list[int], tmp_path: Path) -> Path:
     views into its reused read buffer, which each chunk must be done with in time)."""
     _fill(smollm2_path, tokens, _settings(tmp_path, compression="none"))
     return tmp_path
-
-
-def _chunking(model: Path, settings: Settings) -> SkippyLlama:
-    """A SkippyLlama that chunks long L3 restores, as GPU builds do (off on the CPU)."""
-    llm = SkippyLlama(str(model), cache_settings=settings, **_kwargs())
-    llm.pipeline_restores = True
-    return llm
 
 
 @pytest.fixture
@@ -234,23 +236,18 @@ def _pages_stored(directory: Path) -> list[str]:
 @pytest.mark.certified_backend
 @pipelined
 def test_a_restore_in_one_page_chunks_equals_cold(
-    smollm2_path: Path,
+    open_llm: Callable[..., SkippyLlama],
     tokens: list[int],
     raw: Path,
     cold: llama_cpp.Llama,
     imports: list[int],
 ) -> None:
-    llm = _chunking(smollm2_path, _settings(raw))
-    try:
-        if not llm.native_verdict.append_import:
-            pytest.skip("the roster does not certify the append import on this backend")
-        prompt = tokens[: LONG + 20]
-        llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-    finally:
-        llm.close()
-    assert event is not None and event.tier == "l3" and not event.fallbacks
+    llm = open_llm(_settings(raw), chunked=True)
+    if not llm.native_verdict.append_import:
+        pytest.skip("the roster does not certify the append import on this backend")
+    prompt = tokens[: LONG + 20]
+    event, got = _answer(llm, prompt)
+    assert event.tier == "l3" and not event.fallbacks
     assert event.cached_tokens == aligned(llm, LONG - 2)
     # the first chunk rebuilds the prefix (set_data); every later page is appended
     n_pages = -(-event.cached_tokens // PAGE)
@@ -261,24 +258,19 @@ def test_a_restore_in_one_page_chunks_equals_cold(
 @pytest.mark.certified_backend
 @pipelined
 def test_an_l1_prefix_continued_in_chunks_equals_cold(
-    smollm2_path: Path,
+    open_llm: Callable[..., SkippyLlama],
     tokens: list[int],
     raw: Path,
     cold: llama_cpp.Llama,
     imports: list[int],
 ) -> None:
-    llm = _chunking(smollm2_path, _settings(raw))
-    try:
-        # the live sequence shares SHORT tokens with the pages L3 holds, then differs
-        llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
-        imports.clear()
-        prompt = tokens[: LONG + 20]
-        llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-    finally:
-        llm.close()
-    assert event is not None and event.tier == "l3"
+    llm = open_llm(_settings(raw), chunked=True)
+    # the live sequence shares SHORT tokens with the pages L3 holds, then differs
+    llm.create_completion(tokens[:SHORT] + tokens[LONG + 50 : LONG + 90], max_tokens=1)
+    imports.clear()
+    prompt = tokens[: LONG + 20]
+    event, got = _answer(llm, prompt)
+    assert event.tier == "l3"
     assert event.l1_tokens == aligned(llm, SHORT)
     assert event.cached_tokens == aligned(llm, LONG - 2)
     # every page from the one holding position SHORT on, one import each
@@ -289,7 +281,7 @@ def test_an_l1_prefix_continued_in_chunks_equals_cold(
 @pytest.mark.certified_backend
 @pipelined
 def test_chunks_promoted_to_l2_serve_the_next_restore(
-    smollm2_path: Path,
+    open_llm: Callable[..., SkippyLlama],
     tokens: list[int],
     raw: Path,
     cold: llama_cpp.Llama,
@@ -297,38 +289,32 @@ def test_chunks_promoted_to_l2_serve_the_next_restore(
 ) -> None:
     """Each chunk is copied into L2 before the read-ahead thread's next read reuses its bytes:
     a later restore reads them from L2, whose digests would refuse bytes overwritten since."""
-    settings = _settings(raw, l1=False, l2="64MiB")
-    llm = _chunking(smollm2_path, settings)
-    try:
-        prompt = tokens[: LONG + 20]
-        tiers, logits = [], []
-        for _ in range(3):
-            llm.create_completion(prompt, max_tokens=1)
-            assert llm.last_cache_event is not None
-            tiers.append(llm.last_cache_event.tier)
-            logits.append(last_logits(llm))
-            # L1 off: another prompt displaces the live sequence, so the next one restores
-            llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
-        ram = llm.prefix_cache.ram
-        assert ram is not None
-        l2 = ram.status()
-    finally:
-        llm.close()
+    llm = open_llm(_settings(raw, l1=False, l2="64MiB"), chunked=True)
+    prompt = tokens[: LONG + 20]
+    answers = []
+    for _ in range(3):
+        answers.append(_answer(llm, prompt))
+        # L1 off: another prompt displaces the live sequence, so the next one restores
+        llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
+    ram = llm.prefix_cache.ram
+    assert ram is not None
+    l2 = ram.status()
     # L2 copies a page on its second fill: the third restore takes every page from L2 (which
     # checks each copy's digest) but, where reuse is token-granular, the tail this process
     # recorded anew (then the restore is named for L3)
+    tiers = [event.tier for event, _ in answers]
     assert tiers[:2] == ["l3", "l3"] and tiers[2] in ("l2", "l3") and len(imports) > 0
     full = (LONG + 20 - 2) // PAGE
     assert l2.promotions >= full and l2.hits >= full, l2
     assert l2.digest_mismatches == 0, l2
     expected = cold_logits(cold, prompt)
-    assert all(np.array_equal(got, expected) for got in logits)
+    assert all(np.array_equal(got, expected) for _, got in answers)
 
 
 @pytest.mark.certified_backend
 @pipelined
 def test_a_damaged_page_ends_the_pipelined_restore_before_it(
-    smollm2_path: Path,
+    open_llm: Callable[..., SkippyLlama],
     tokens: list[int],
     raw: Path,
     cold: llama_cpp.Llama,
@@ -341,19 +327,13 @@ def test_a_damaged_page_ends_the_pipelined_restore_before_it(
         value = store.get(key)
         assert isinstance(value, bytes)
         store.set(key, value[: len(value) // 2])
-    llm = _chunking(smollm2_path, _settings(raw))
-    try:
-        prompt = tokens[: LONG + 20]
-        llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-        counters = llm.prefix_cache.counters
-    finally:
-        llm.close()
-    assert event is not None and event.tier == "l3"
+    llm = open_llm(_settings(raw), chunked=True)
+    prompt = tokens[: LONG + 20]
+    event, got = _answer(llm, prompt)
+    assert event.tier == "l3"
     assert event.cached_tokens == aligned(llm, 3 * PAGE)  # pages 0-2, imported before page 3
     assert len(imports) == 2
-    assert counters.fallbacks["l3_short_read"] == 1
+    assert llm.prefix_cache.counters.fallbacks["l3_short_read"] == 1
     assert any("failed verification" in note for note in event.fallbacks)
     assert np.array_equal(got, cold_logits(cold, prompt))
 
@@ -362,7 +342,7 @@ def test_a_damaged_page_ends_the_pipelined_restore_before_it(
 @pipelined
 @pytest.mark.parametrize("chunked", [True, False])
 def test_a_restore_from_l2_alone_is_imported_whole_unless_chunked(
-    smollm2_path: Path,
+    open_llm: Callable[..., SkippyLlama],
     tokens: list[int],
     raw: Path,
     cold: llama_cpp.Llama,
@@ -372,21 +352,15 @@ def test_a_restore_from_l2_alone_is_imported_whole_unless_chunked(
     """L2's pages are in RAM, with no read to hide: imported whole by default, in chunks (each
     assembled while the last is imported) with ``chunk_ram_restores``; cold's logits either
     way."""
-    settings = _settings(raw, l1=False, l2="64MiB")
-    llm = _chunking(smollm2_path, settings)
+    llm = open_llm(_settings(raw, l1=False, l2="64MiB"), chunked=True)
     llm.seam.chunk_ram_restores = chunked
-    try:
-        prompt = tokens[:LONG]  # what L3 holds, so this process records no new tail
-        for _ in range(2):  # L2 copies each page on its second fill
-            llm.create_completion(prompt, max_tokens=1)
-            llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
-        imports.clear()
+    prompt = tokens[:LONG]  # what L3 holds, so this process records no new tail
+    for _ in range(2):  # L2 copies each page on its second fill
         llm.create_completion(prompt, max_tokens=1)
-        event = llm.last_cache_event
-        got = last_logits(llm)
-    finally:
-        llm.close()
-    assert event is not None and event.tier == "l2" and not event.fallbacks
+        llm.create_completion(tokens[LONG + 100 : LONG + 140], max_tokens=1)
+    imports.clear()
+    event, got = _answer(llm, prompt)
+    assert event.tier == "l2" and not event.fallbacks
     assert event.cached_tokens == aligned(llm, LONG - 2)
     assert len(imports) == (-(-event.cached_tokens // PAGE) - 1 if chunked else 0)
     assert np.array_equal(got, cold_logits(cold, prompt))
