@@ -81,12 +81,13 @@ def _fill(model: Path, tokens: list[int], settings: Settings) -> None:
 @pytest.fixture
 def open_llm(smollm2_path: Path) -> Iterator[Callable[..., SkippyLlama]]:
     """Opens SkippyLlamas on the test model (closed at teardown); ``chunked`` makes one chunk
-    long page restores as GPU builds do (off on the CPU)."""
+    long page restores as GPU builds do (off on the CPU; otherwise the build's default)."""
     made: list[SkippyLlama] = []
 
     def open_one(settings: Settings, *, chunked: bool = False) -> SkippyLlama:
         llm = SkippyLlama(str(smollm2_path), cache_settings=settings, **_kwargs())
-        llm.pipeline_restores = chunked
+        if chunked:
+            llm.pipeline_restores = True
         made.append(llm)
         return llm
 
