@@ -74,9 +74,9 @@ class BufferPool:
     The runtime captures a record into a buffer and hands it to the L3 writer, which cuts the
     pages out of it later; the next capture or restore must not write into it meanwhile. A
     pipelined restore holds two at once: the chunk being imported and the next one being
-    assembled. The pool keeps the ``keep`` largest buffers given back, so in the steady state
-    a process reuses warm buffers (written again without page faults) instead of mapping
-    fresh ones.
+    assembled (GPU builds keep two for it). The pool keeps the ``keep`` largest buffers given
+    back, so in the steady state a process reuses warm buffers (written again without page
+    faults) instead of mapping fresh ones.
 
     With a ``pinner`` (CUDA builds, :mod:`skippy_llama.pinned`) the buffers the pool keeps are
     page-locked, so their next state copy runs at DMA speed, and are unlocked before the pool
@@ -86,7 +86,7 @@ class BufferPool:
     only when the next request comes sooner.
     """
 
-    def __init__(self, keep: int = 2, pinner: Pinner | None = None) -> None:
+    def __init__(self, keep: int = 1, pinner: Pinner | None = None) -> None:
         self._keep = keep
         self._free: list[HostBuffer] = []
         self._lock = threading.Lock()

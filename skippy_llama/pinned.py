@@ -12,8 +12,8 @@ unregistering 4-20 ms, so only buffers that are used again are worth it:
 it before dropping it.
 
 Registered memory stays resident (it cannot be swapped), so only the pool's kept buffers are
-registered (two at most: a pipelined restore's chunk buffers of about 64 MiB each, or one of
-them and the largest capture), never the L3 reader's per-thread buffers. Every failure (no CUDA runtime, a refused registration) leaves the
+registered (two at most: a pipelined restore's chunk buffers, or one of them and the largest
+capture or whole restore), never the L3 reader's per-thread buffers. Every failure (no CUDA runtime, a refused registration) leaves the
 buffer pageable: pinning only ever changes how fast a copy is, never what is copied.
 """
 

@@ -134,8 +134,10 @@ class SkippyLlama(llama_cpp.Llama):
         on_device = all(t in _DEVICE_CHECKPOINT_TYPES for t in (p.type_k, p.type_v))
         # host buffers for the blobs of L2/L3 restores and captures, reused: a fresh one each
         # time spends longer in page faults than the state call takes (0.48 s for 720 MB on
-        # the H200 host); a capture stays with the L3 writer until it is cut
-        self.seam = KVSeam(self.ctx, BufferPool(), on_device=on_device)
+        # the H200 host); a capture stays with the L3 writer until it is cut. GPU builds keep
+        # two: a pipelined restore holds two chunks at once (see ``pipeline_restores``)
+        pool = BufferPool(keep=1 if backend_name() == "CPU" else 2)
+        self.seam = KVSeam(self.ctx, pool, on_device=on_device)
         self.granule = probes.canonical_granule(self)
         #: Whether a token decoded alone leaves the cells and logits a batched prefill gives it
         #: (probed at load): then a reply is reusable as generated, and nothing is repaired.
