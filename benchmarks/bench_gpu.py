@@ -175,14 +175,14 @@ RESTORE_PHASES = ("fetch", "take", "assemble", "promote", "import", "capture")
 
 def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
     """Wrap ``llm``'s restore steps (instance attributes) to sum their wall time per phase."""
-    seam = llm.seam
+    kv = llm.seam
     owners = {
         "fetch": (llm.prefix_cache, "fetch_pages"),
-        "take": (seam.buffers, "take"),
-        "assemble": (seam, "_assemble"),
+        "take": (kv.buffers, "take"),
+        "assemble": (kv, "_assemble"),
         "promote": (llm.prefix_cache, "promote"),
-        "import": (seam, "_import"),
-        "capture": (seam, "capture"),
+        "import": (kv, "_import"),
+        "capture": (kv, "capture"),
     }
     return _wrap_timed({name: owners[name] for name in RESTORE_PHASES})
 
