@@ -304,6 +304,32 @@ def _chat_round(make: Any, user_turns: list[list[int]]) -> tuple[dict[str, Any],
     return row, got
 
 
+def _makers(model: str, common: dict[str, Any], tmp: str) -> dict[str, Any]:
+    """A fresh model object per call, by mode: plain ``Llama``, SkippyLlama's defaults, and
+    SkippyLlama with L3 on (a fresh store under ``tmp`` each time) with its records left
+    waiting as GPU builds do (``skippy_l3``), made after every request (``_eager``) or with
+    pageable host buffers (``_pageable``)."""
+
+    def with_l3(defer: bool, pin: bool = True) -> Any:
+        def make() -> SkippyLlama:
+            store = Path(tempfile.mkdtemp(dir=tmp))
+            settings = _settings(store).model_copy(update={"pin_host_buffers": pin})
+            llm = SkippyLlama(model, cache_settings=settings, **common)
+            if not defer:
+                llm.defer_record_tokens = 0
+            return llm
+
+        return make
+
+    return {
+        "plain": lambda: llama_cpp.Llama(model, **common),
+        "skippy": lambda: SkippyLlama(model, cache_settings=Settings(), **common),
+        "skippy_l3": with_l3(True),
+        "skippy_l3_eager": with_l3(False),
+        "skippy_l3_pageable": with_l3(True, pin=False),
+    }
+
+
 def bench_chat(
     model: str, n: int, turn: int, common: dict[str, Any], rounds: int, names: list[str]
 ) -> dict[str, Any]:
@@ -314,25 +340,7 @@ def bench_chat(
     user_turns = _chat_turns(n, turn)
     out: dict[str, Any] = {"turns": len(user_turns), "tokens": n, "rounds": rounds}
     with tempfile.TemporaryDirectory() as tmp:
-        makers = {
-            "plain": lambda: llama_cpp.Llama(model, **common),
-            "skippy": lambda: SkippyLlama(model, cache_settings=Settings(), **common),
-        }
-
-        def with_l3(defer: bool, pin: bool = True) -> Any:
-            def make() -> SkippyLlama:
-                store = Path(tempfile.mkdtemp(dir=tmp))  # a fresh store per round
-                settings = _settings(store).model_copy(update={"pin_host_buffers": pin})
-                llm = SkippyLlama(model, cache_settings=settings, **common)
-                if not defer:
-                    llm.defer_record_tokens = 0
-                return llm
-
-            return make
-
-        makers["skippy_l3"] = with_l3(True)
-        makers["skippy_l3_eager"] = with_l3(False)
-        makers["skippy_l3_pageable"] = with_l3(True, pin=False)
+        makers = _makers(model, common, tmp)
         modes = ["plain", *[m for m in names if m != "plain"]]
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         replies: dict[str, list[list[list[int]]]] = {m: [] for m in modes}
@@ -377,20 +385,12 @@ def bench_oneshot(
     work = [[int(t) for t in rng.integers(100, 30000, length)] for _ in range(prompts)]
     out: dict[str, Any] = {"tokens": length, "prompts": prompts, "rounds": rounds}
     with tempfile.TemporaryDirectory() as tmp:
-
-        def make(name: str) -> llama_cpp.Llama:
-            if name == "plain":
-                return llama_cpp.Llama(model, **common)
-            if name == "skippy":
-                return SkippyLlama(model, cache_settings=Settings(), **common)
-            store = Path(tempfile.mkdtemp(dir=tmp))
-            return SkippyLlama(model, cache_settings=_settings(store), **common)
-
+        makers = _makers(model, common, tmp)
         modes = ["plain", "skippy", "skippy_l3"]
         totals: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(rounds):
             for name in modes[r % 3 :] + modes[: r % 3]:
-                llm = make(name)
+                llm = makers[name]()
                 started = time.perf_counter()
                 for prompt in work:
                     llm.create_completion(prompt, max_tokens=16, temperature=0.0)

@@ -13,8 +13,9 @@ it before dropping it.
 
 Registered memory stays resident (it cannot be swapped), so only the pool's kept buffers are
 registered (two at most: a pipelined restore's chunk buffers, or one of them and the largest
-capture or whole restore), never the L3 reader's per-thread buffers. Every failure (no CUDA runtime, a refused registration) leaves the
-buffer pageable: pinning only ever changes how fast a copy is, never what is copied.
+capture or whole restore), never the L3 reader's per-thread buffers. Every failure (no CUDA
+runtime, a refused registration) leaves the buffer pageable: pinning only ever changes how fast
+a copy is, never what is copied.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ class SkippyLlama(llama_cpp.Llama):
         # time spends longer in page faults than the state call takes (0.48 s for 720 MB on
         # the H200 host); a capture stays with the L3 writer until it is cut. GPU builds keep
         # two: a pipelined restore holds two chunks at once (see ``pipeline_restores``)
-        pool = BufferPool(keep=1 if backend_name() == "CPU" else 2)
+        on_cpu = backend_name() == "CPU"
+        pool = BufferPool(keep=1 if on_cpu else 2)
         self.seam = KVSeam(self.ctx, pool, on_device=on_device)
         self.granule = probes.canonical_granule(self)
         #: Whether a token decoded alone leaves the cells and logits a batched prefill gives it
@@ -149,13 +150,13 @@ class SkippyLlama(llama_cpp.Llama):
         #: record is made before another prompt takes the sequence, in ``prepare_next_turn``
         #: and in ``close``, so an orderly exit loses nothing. On the CPU a capture is a
         #: memcpy: nothing to save.
-        self.defer_record_tokens = 0 if backend_name() == "CPU" else DEFER_RECORD_TOKENS
+        self.defer_record_tokens = 0 if on_cpu else DEFER_RECORD_TOKENS
         #: Long page restores run in chunks, each read and assembled while the last is
         #: imported (``KVSeam._pipelined``; needs the append import). On GPU builds: the H100's
         #: first 32k-token L3 restore went from 0.56 to 0.34 of a cold prefill. On the CPU the
         #: import is a memcpy with nothing to hide behind: 4-7k SmolLM2 tokens measured even to
         #: 1.4x slower (``benchmarks/results/restore-chunked-cpu-s39.json``), so it is off.
-        self.pipeline_restores = backend_name() != "CPU"
+        self.pipeline_restores = not on_cpu
         if settings.pin_host_buffers:
             offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)
             self.seam.buffers.pinner = cuda_pinner(backend_name(), offloaded)
