@@ -39,7 +39,7 @@ from skippy_llama.config import L3Settings, RemoteSettings
 from skippy_llama.identity import chain_key, token_bytes
 from skippy_llama.tiers.disk import DiskTier
 from skippy_llama.tiers.records import PageBlob, PrefixRecord
-from skippy_llama.tiers.remote import RemoteTier
+from skippy_llama.tiers.remote import RemoteStore
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_TOKENS = 128
@@ -118,7 +118,7 @@ def main() -> None:
         "prefix": {"tokens": record.n_tokens, "pages": N_PAGES, "bytes": sum(map(len, payloads))},
     }
     try:
-        tier = RemoteTier(RemoteSettings(url=url, secret_file=secret), clock=time.monotonic)
+        tier = RemoteStore(RemoteSettings(url=url, secret_file=secret), clock=time.monotonic)
         out["server"] = tier.server_status()["version"]
         t0 = time.perf_counter()
         first = tier.push(record)
@@ -158,7 +158,7 @@ def main() -> None:
         # the server goes away: the breaker opens after 3 failures, then a request costs
         proc.kill()
         proc.wait()
-        down = RemoteTier(RemoteSettings(url=url, secret_file=secret, timeout_ms=100))
+        down = RemoteStore(RemoteSettings(url=url, secret_file=secret, timeout_ms=100))
         for _ in range(3):
             down.match(root, keys)
         assert down.status()["breaker"]["state"] == "open"

@@ -6,7 +6,9 @@ It decides *what* to reuse and never touches llama.cpp. A request flows down and
 
 :meth:`PrefixCache.plan` asks the :class:`~skippy_llama.plan.Planner` (no side effects);
 :meth:`PrefixCache.fetch` reads a plan's pages; :meth:`PrefixCache.commit` writes the counters,
-the trace and the promotions once, from what actually served. Every deeper tier is fail-open: a
+the trace and the promotions once, from what actually served. The counters
+(:mod:`skippy_llama.counters`) are written only here, through ``commit`` and the ``count_*``
+methods. Every deeper tier is fail-open: a
 fault is counted and the request falls back to the next-shallower plan.
 """
 
@@ -15,15 +17,15 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .costs import CostModel
+from .counters import CacheCounters, is_hit
 from .identity import CacheIdentity, chain_key, token_bytes
 from .plan import FetchedPage, PageRef, Planner, Prompt, RestoreOutcome, RestorePlan
 from .prefetch import Prefetcher, PrefetchResult
@@ -36,38 +38,6 @@ from .tiers.records import PageBlob, PendingPayload, PrefixRecord
 from .tiers.resident import ParkPlan, ResidentIndex
 
 Tokens = npt.NDArray[np.int32]
-
-
-@dataclass
-class CacheCounters:
-    """In-process activity counters (hits per tier, misses, fallbacks with reasons).
-
-    Written by :meth:`PrefixCache.commit` from what served each request, never from a plan.
-    """
-
-    lookups: int = 0
-    hits: Counter[str] = field(default_factory=Counter)
-    misses: int = 0
-    fallbacks: Counter[str] = field(default_factory=Counter)
-    parked: int = 0
-    #: of ``parked``, chats checkpointed between requests (``SkippyLlama.prepare_next_turn``)
-    parked_ahead: int = 0
-    park_skipped: int = 0
-    records: int = 0
-    records_skipped: int = 0
-    #: L3 records left for later (``SkippyLlama.defer_record_tokens``), counted at each turn
-    records_deferred: int = 0
-    #: hits served shallower (or cold) because the cost model said the restore would be slower
-    restores_skipped: int = 0
-    #: replies re-decoded between requests (``SkippyLlama.prepare_next_turn``) and their tokens
-    turns_prepared: int = 0
-    tokens_prepared: int = 0
-    #: prefetches asked for (:meth:`PrefixCache.prefetch`), the L3 pages they copied into L2
-    #: and their bytes, and those that ended on an L3 miss or a fault
-    prefetches: int = 0
-    prefetched_pages: int = 0
-    prefetched_bytes: int = 0
-    prefetch_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +81,9 @@ class PrefixCache:
         self.costs = costs if costs is not None else CostModel()
         self.bytes_per_token = bytes_per_token
         self.planner = Planner(self.root, page_tokens, self.tiers, self.costs, bytes_per_token)
-        self.counters = CacheCounters()
+        self._counters = CacheCounters()
+        # the counters are written from the request thread and from prefetches on others
+        self._count_lock = threading.Lock()
         self._prefetcher = Prefetcher(self)
         takes = [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records]
         self.trace = TraceWriter.from_settings(trace_file, page_tokens) if takes else None
@@ -149,6 +121,17 @@ class PrefixCache:
 
     def _recorders(self) -> list[PageTier]:
         return [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records and t.serving]
+
+    @property
+    def counters(self) -> CacheCounters:
+        """The live counters, to read (they are written only by this class's methods)."""
+        return self._counters
+
+    def counters_json(self) -> dict[str, Any]:
+        """A copy of the counters (``dataclasses.asdict``): what every status, page and metric
+        shows, so that a new counter reaches them all."""
+        with self._count_lock:
+            return asdict(self._counters)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Each tier's status, by name, as JSON-ready dicts."""
@@ -204,16 +187,17 @@ class PrefixCache:
 
     def commit(self, planned: RestorePlan, outcome: RestoreOutcome, prompt: Prompt) -> None:
         """Count, trace and promote what served the request (once, after the restore)."""
-        counters = self.counters
-        counters.lookups += 1
-        if outcome.n_tokens > 0:
-            counters.hits[outcome.tier] += 1
-        else:
-            counters.misses += 1
-        if planned.skipped:
-            counters.restores_skipped += 1
-        for fault in outcome.faults:
-            counters.fallbacks[fault] += 1
+        with self._count_lock:
+            counters = self._counters
+            counters.lookups += 1
+            if outcome.n_tokens <= 0:
+                counters.misses += 1
+            else:
+                hit = is_hit(outcome.n_tokens, len(prompt.tokens))
+                _bump(counters.hits if hit else counters.short_matches, outcome.tier)
+            counters.restores_skipped += int(planned.skipped)
+            for fault in outcome.faults:
+                _bump(counters.fallbacks, fault)
         for name in planned.searched:
             tier = self.tier(name)
             if isinstance(tier, PageTier):
@@ -268,7 +252,31 @@ class PrefixCache:
 
     def fallback(self, reason: str) -> None:
         """Count a fault outside a restore (a record, a park) that was turned into nothing."""
-        self.counters.fallbacks[reason] += 1
+        with self._count_lock:
+            _bump(self._counters.fallbacks, reason)
+
+    def count_prefetch(self, result: PrefetchResult) -> None:
+        """Count a prefetch (any thread): the pages and bytes it copied, a miss or fault."""
+        with self._count_lock:
+            counters = self._counters
+            counters.prefetches += 1
+            counters.prefetched_pages += result.pages
+            counters.prefetched_bytes += result.bytes
+            counters.prefetch_misses += int(result.stopped in ("l3_miss", "error"))
+
+    def count_prepared(self, tokens: int, *, parked: bool) -> None:
+        """Count a reply re-decoded between requests (``tokens`` of it) and whether its chat
+        was then checkpointed in L1 ahead of the next turn."""
+        with self._count_lock:
+            counters = self._counters
+            counters.turns_prepared += 1
+            counters.tokens_prepared += tokens
+            counters.parked_ahead += int(parked)
+
+    def count_deferred(self) -> None:
+        """Count a record left for a later turn (``SkippyLlama.defer_record_tokens``)."""
+        with self._count_lock:
+            self._counters.records_deferred += 1
 
     # -- L1 parking ----------------------------------------------------------------------
 
@@ -279,14 +287,16 @@ class PrefixCache:
             return None
         plan = resident.plan_park(tokens) if self.costs.park_pays(len(tokens)) else None
         if plan is None:
-            self.counters.park_skipped += 1
+            with self._count_lock:
+                self._counters.park_skipped += 1
         return plan
 
     def commit_park(self, plan: ParkPlan, tokens: Tokens, handle: bytes) -> None:
         """``plan`` was carried out: ``tokens[:plan.n_tokens]`` are resident."""
         assert self.resident is not None
         self.resident.commit_park(plan, self.root, tokens, handle)
-        self.counters.parked += 1
+        with self._count_lock:
+            self._counters.parked += 1
 
     # -- recording ------------------------------------------------------------------------
 
@@ -305,7 +315,8 @@ class PrefixCache:
         # queued pages count: the previous request's record may still wait for the writer
         path = walk(recorders, self.root, tokens, point, self.page_tokens, queued=True)
         if path.n_tokens >= point:
-            self.counters.records_skipped += 1
+            with self._count_lock:
+                self._counters.records_skipped += 1
             return None
         p = self.page_tokens
         new = []
@@ -344,7 +355,8 @@ class PrefixCache:
             raise
         # a record a tier does not take, it drops (releases)
         taken = sum(tier.offer(record) for tier, record in zip(recorders, records, strict=True))
-        self.counters.records += int(taken > 0)
+        with self._count_lock:
+            self._counters.records += int(taken > 0)
         return taken > 0
 
     def _new_record(
@@ -378,6 +390,10 @@ class PrefixCache:
             pages=tuple(pages),
             release=release,
         )
+
+
+def _bump(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
 
 
 class _Countdown:

@@ -17,7 +17,6 @@ here raises.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -79,10 +78,9 @@ class Prefetcher:
     """The prefetch of one :class:`~skippy_llama.cache.PrefixCache` (its ``prefetch`` method)."""
 
     def __init__(self, cache: PrefixCache) -> None:
-        self.cache = cache
         # prefetches may run on several threads (a batch's, the server's model thread): the
-        # counters they add to are shared with the request thread
-        self._lock = threading.Lock()
+        # cache counts them under its lock
+        self.cache = cache
 
     def __call__(
         self,
@@ -95,17 +93,8 @@ class Prefetcher:
         except Exception as exc:  # fail-open: a prefetch is an optimization
             log.warning("skippy-llama: prefetch failed (%s); continuing without it", exc)
             result = PrefetchResult(stopped="error")
-        self._count(result)
+        self.cache.count_prefetch(result)
         return result
-
-    def _count(self, result: PrefetchResult) -> None:
-        counters = self.cache.counters
-        with self._lock:
-            counters.prefetches += 1
-            counters.prefetched_pages += result.pages
-            counters.prefetched_bytes += result.bytes
-            if result.stopped in ("l3_miss", "error"):
-                counters.prefetch_misses += 1
 
     def _run(self, tokens: Tokens, stop: Callable[[], bool] | None, skip: int) -> PrefetchResult:
         cache = self.cache

@@ -1,5 +1,6 @@
 """``skippy-llama kv-cache status|prune|clear``: inspect and manage the L3 disk store (and, with
-``--remote``, the remote tier; ``export|import|keygen``: signed bundles, see ``handoff.py``).
+``--remote``, the remote tier, see ``remote.py``; ``export|import|keygen``: signed bundles, see
+``handoff.py``).
 
 Settings come from the same flags, ``SKIPPY_*`` environment and config file as ``skippy-llama
 run`` (see :mod:`skippy_llama.cli.options`), so ``status`` describes exactly the store a run would
@@ -23,7 +24,8 @@ from ..packages.kvdtype import KVDtypeResolution
 from ..sizes import human_size, parse_size
 from ..tiers.disk import DiskTier
 from ..tiers.l3.report import status_report
-from . import handoff, simulate
+from . import handoff, remote, simulate
+from .common import confirm, open_l3_for_change
 from .options import (
     add_kv_dtype_arguments,
     add_settings_arguments,
@@ -64,7 +66,7 @@ def register(sub: Any) -> None:
     )
     add_settings_arguments(status)
     add_kv_dtype_arguments(status)
-    handoff.add_remote_flag(status)
+    remote.add_flag(status)
     status.set_defaults(handler=cmd_status)
 
     prune = actions.add_parser(
@@ -81,7 +83,7 @@ def register(sub: Any) -> None:
     prune.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     prune.add_argument("--json", action="store_true", help="print the result as JSON")
     add_settings_arguments(prune)
-    handoff.add_remote_flag(prune, identity=True)
+    remote.add_flag(prune, identity=True)
     prune.set_defaults(handler=cmd_prune)
 
     clear = actions.add_parser("clear", help="remove every entry, or one model's entries")
@@ -89,7 +91,7 @@ def register(sub: Any) -> None:
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     clear.add_argument("--json", action="store_true", help="print the result as JSON")
     add_settings_arguments(clear)
-    handoff.add_remote_flag(clear, identity=True)
+    remote.add_flag(clear, identity=True)
     clear.set_defaults(handler=cmd_clear)
     simulate.register(actions)
     handoff.register(actions)
@@ -106,38 +108,6 @@ def _check_model_flag(value: str | None) -> None:
         )
 
 
-def _open_for_change(loaded: LoadedSettings, what: str) -> DiskTier:
-    l3 = loaded.settings.l3
-    if l3.mode == "off":
-        source = loaded.sources.get("l3.mode", "default")
-        raise ConfigError(
-            f"L3 is off (l3.mode = 'off', from {source}): nothing to {what}; pass --l3-mode "
-            "auto (or fixed with --l3-budget) and --l3-dir, or set SKIPPY_L3__MODE"
-        )
-    tier = DiskTier(l3, close_at_exit=False)
-    if tier.state == "degraded" and tier.reason == "storage_unavailable":
-        tier.close()
-        raise ConfigError(
-            f"cannot {what}: L3 storage at {l3.directory} is unavailable: {tier.error}"
-        )
-    return tier
-
-
-def _confirm(question: str, yes: bool) -> bool:
-    """True to go ahead. Without --yes, ask on a terminal; refuse when there is none."""
-    if yes:
-        return True
-    if not sys.stdin.isatty():
-        raise SkippyError(
-            f"{question.rstrip('?')}: needs confirmation; stdin is not a terminal, pass --yes"
-        )
-    try:
-        answer = input(f"{question} [y/N] ")
-    except EOFError:
-        answer = ""
-    return answer.strip().lower() in ("y", "yes")
-
-
 # ---------------------------------------------------------------------- status
 
 
@@ -145,8 +115,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """``kv-cache status [--json] [--remote]``."""
     loaded = settings_from_args(args)
     if args.remote:
-        remote = handoff.remote_status(loaded)
-        print(json.dumps(remote, indent=2) if args.json else handoff.format_remote_status(remote))
+        report = remote.status(loaded)
+        print(json.dumps(report, indent=2) if args.json else remote.format_status(report))
         return 0
     # Read-only: status must not change the store (not even diskcache's settings table, nor a
     # missing directory); it reports the latest reconciliation recorded.
@@ -323,7 +293,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 "--target does not apply to --remote: the server's maxmemory and eviction "
                 "policy bound its size; prune --remote removes what can no longer be served"
             )
-        return handoff.remote_change(args, "prune")
+        return remote.change(args, "prune")
     loaded = settings_from_args(args)
     target: int | None = None
     if args.target is not None:
@@ -331,7 +301,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             target = parse_size(args.target)
         except ValueError as exc:
             raise ConfigError(f"invalid --target {args.target!r}: {exc}") from None
-    tier = _open_for_change(loaded, "prune")
+    tier = open_l3_for_change(loaded, "prune")
     try:
         tier.check_model_identity(args.model_identity)
         scope = f"model {args.model_identity}" if args.model_identity else "all models"
@@ -340,7 +310,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             if target is not None
             else ("every entry" if args.model_identity else "to the budget")
         )
-        if not _confirm(f"Prune the L3 cache at {tier.directory} ({scope}) {goal}?", args.yes):
+        if not confirm(f"Prune the L3 cache at {tier.directory} ({scope}) {goal}?", args.yes):
             print("prune cancelled", file=sys.stderr)
             return 1
         result = tier.prune(target, args.model_identity)
@@ -369,13 +339,13 @@ def cmd_clear(args: argparse.Namespace) -> int:
     if args.cache_identity is not None and not args.remote:
         raise ConfigError("--cache-identity names remote keys: give it with --remote")
     if args.remote:
-        return handoff.remote_change(args, "clear")
+        return remote.change(args, "clear")
     loaded = settings_from_args(args)
-    tier = _open_for_change(loaded, "clear")
+    tier = open_l3_for_change(loaded, "clear")
     try:
         tier.check_model_identity(args.model_identity)
         scope = f"model {args.model_identity}'s entries" if args.model_identity else "every entry"
-        if not _confirm(f"Remove {scope} from the L3 cache at {tier.directory}?", args.yes):
+        if not confirm(f"Remove {scope} from the L3 cache at {tier.directory}?", args.yes):
             print("clear cancelled", file=sys.stderr)
             return 1
         result = tier.clear(args.model_identity)

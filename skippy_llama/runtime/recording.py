@@ -55,7 +55,7 @@ class Recorder:
         point = min(llm.exact_tokens(), llm.aligned(event.prompt_tokens - DECODED_SUFFIX))
         if self._may_wait(point):
             self.deferred = point
-            cache.counters.records_deferred += 1
+            cache.count_deferred()
             return
         self.record(point)
 

@@ -114,14 +114,12 @@ def prepare_next_turn(llm: SkippyLlama, stop: Callable[[], bool] | None = None) 
     if not llm.guard("prepare", None, lambda: repaired.append(repair(llm, start, ahead))):
         llm.drop_working()  # a half-repaired reply is neither the old cells nor exact
         return 0
-    counters = llm.prefix_cache.counters
-    counters.turns_prepared += 1
-    counters.tokens_prepared += repaired[0]
-    if counters.parked and not stopped():
-        parked = counters.parked
+    cache = llm.prefix_cache
+    parked = cache.counters.parked
+    if parked and not stopped():
         # a failed checkpoint leaves the working sequence as it was: the next request parks
         llm.guard("park", None, lambda: llm.park(llm.exact_tokens()))
-        counters.parked_ahead += counters.parked - parked
+    cache.count_prepared(repaired[0], parked=0 < parked < cache.counters.parked)
     return repaired[0]
 
 

@@ -14,7 +14,6 @@ def cache_status(llm: SkippyLlama) -> dict[str, Any]:
     resident = cache.resident
     layout = llm.kv_layout
     per_token = layout.kv_bytes_per_cell if layout is not None else 0
-    counters = cache.counters
     used = resident.used_tokens if resident is not None else 0
     pinner = llm.seam.buffers.pinner
     return {
@@ -36,20 +35,5 @@ def cache_status(llm: SkippyLlama) -> dict[str, Any]:
             "resident_tokens": used,
             "resident_bytes": per_token * used,
         },
-        "counters": {
-            "lookups": counters.lookups,
-            "hits": dict(counters.hits),
-            "misses": counters.misses,
-            "fallbacks": dict(counters.fallbacks),
-            "parked": counters.parked,
-            "parked_ahead": counters.parked_ahead,
-            "records": counters.records,
-            "restores_skipped": counters.restores_skipped,
-            "turns_prepared": counters.turns_prepared,
-            "tokens_prepared": counters.tokens_prepared,
-            "prefetches": counters.prefetches,
-            "prefetched_pages": counters.prefetched_pages,
-            "prefetched_bytes": counters.prefetched_bytes,
-            "prefetch_misses": counters.prefetch_misses,
-        },
+        "counters": cache.counters_json(),
     }

@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..counters import HIT_SHARE, is_hit
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -26,8 +28,13 @@ class RequestRecord:
     ttft_ms: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
 
+    @property
+    def hit(self) -> bool:
+        """Whether the request reused a meaningful share of its prompt (``counters.is_hit``)."""
+        return is_hit(self.cached_tokens, self.prompt_tokens)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "hit": self.hit}
 
 
 class RequestHistory:
@@ -41,6 +48,9 @@ class RequestHistory:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.by_tier: dict[str, int] = {}
+        self.hits = 0
+        #: requests that reused some of their prompt, too little to count as a hit
+        self.short_matches = 0
 
     def add(self, record: RequestRecord) -> None:
         with self._lock:
@@ -50,6 +60,8 @@ class RequestHistory:
             self.prompt_tokens += record.prompt_tokens
             self.cached_tokens += record.cached_tokens
             self.by_tier[record.tier] = self.by_tier.get(record.tier, 0) + 1
+            self.hits += record.hit
+            self.short_matches += record.cached_tokens > 0 and not record.hit
 
     def recent(self) -> list[RequestRecord]:
         with self._lock:
@@ -57,7 +69,6 @@ class RequestHistory:
 
     def totals(self) -> dict[str, Any]:
         with self._lock:
-            hits = sum(n for tier, n in self.by_tier.items() if tier != "cold")
             served = sum(self.by_tier.values())
             return {
                 "requests": self.requests,
@@ -67,6 +78,10 @@ class RequestHistory:
                 "cached_share": self.cached_tokens / self.prompt_tokens
                 if self.prompt_tokens
                 else 0.0,
-                "hit_rate": hits / served if served else 0.0,
+                "hit_rate": self.hits / served if served else 0.0,
+                "hits": self.hits,
+                "short_matches": self.short_matches,
+                # a hit reused at least this share of its prompt's tokens
+                "hit_share": HIT_SHARE,
                 "by_tier": dict(self.by_tier),
             }

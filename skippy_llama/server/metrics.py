@@ -1,7 +1,8 @@
 """Prometheus metrics of the server: per-request counters and histograms, tier gauges at scrape.
 
 Request metrics are observed when a request finishes; tier sizes and the cache's own counters
-(hits, fallbacks by reason) are read from a :class:`~.snapshot.TierSnapshot` when scraped, so
+(every field of :class:`~skippy_llama.counters.CacheCounters`, as ``skippy_cache_<name>`` unless
+the field names another) are read from a :class:`~.snapshot.TierSnapshot` when scraped, so
 they cannot drift from what ``/v1/kv-cache/status`` reports.
 """
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..counters import metric_fields
 from ..events import CacheEvent
 from .history import RequestRecord
 from .snapshot import L3_STATES, SnapshotCache
@@ -29,35 +31,7 @@ class _TierCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshots.get()
-        lookups = CounterMetricFamily("skippy_cache_lookups", "Prefix-cache lookups")
-        lookups.add_metric([], snap.lookups)
-        yield lookups
-        hits = CounterMetricFamily("skippy_cache_hits", "Lookups served by a tier", labels=["tier"])
-        for tier, n in sorted(snap.hits.items()):
-            hits.add_metric([tier], n)
-        yield hits
-        misses = CounterMetricFamily("skippy_cache_misses", "Lookups that found no prefix")
-        misses.add_metric([], snap.misses)
-        yield misses
-        fallbacks = CounterMetricFamily(
-            "skippy_fallbacks",
-            "Tier faults turned into a shallower hit or a cold prefill, by reason",
-            labels=["reason"],
-        )
-        for reason, n in sorted(snap.fallbacks.items()):
-            fallbacks.add_metric([reason], n)
-        yield fallbacks
-        prepared = CounterMetricFamily(
-            "skippy_turns_prepared", "Replies re-decoded between requests for their next turn"
-        )
-        prepared.add_metric([], snap.turns_prepared)
-        yield prepared
-        prefetched = CounterMetricFamily(
-            "skippy_prefetched_pages",
-            "L3 pages copied into L2 between requests for the conversations likely next",
-        )
-        prefetched.add_metric([], snap.prefetched_pages)
-        yield prefetched
+        yield from _counter_metrics(snap.counters)
 
         l1 = snap.l1
         yield _gauge("skippy_l1_resident_prefixes", "Prefixes resident in the context", l1.prefixes)
@@ -95,6 +69,21 @@ class _TierCollector(Collector):
         remote = snap.others.get("remote")
         if remote is not None:
             yield from _remote_metrics(remote)
+
+
+def _counter_metrics(counters: dict[str, Any]) -> Iterator[Metric]:
+    """Every cache counter (:func:`~skippy_llama.counters.metric_fields`): a count, or one
+    sample per key for the counts kept by a key (tier, reason)."""
+    for spec in metric_fields():
+        value = counters.get(spec.name)
+        if spec.label is None:
+            family = CounterMetricFamily(spec.metric, spec.doc)
+            family.add_metric([], value or 0)
+        else:
+            family = CounterMetricFamily(spec.metric, spec.doc, labels=[spec.label])
+            for key, n in sorted((value or {}).items()):
+                family.add_metric([key], n)
+        yield family
 
 
 def _remote_metrics(status: dict[str, Any]) -> Iterator[Metric]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+from ..counters import CacheCounters
 from ..runtime.llama import SkippyLlama
 from ..tiers.records import DiskStatus, RamStatus
 from ..tiers.resident import ResidentStatus
@@ -45,40 +46,15 @@ class TierSnapshot:
     l1: ResidentSnapshot
     l2: RamStatus | None
     l3: DiskStatus | None
-    lookups: int = 0
-    hits: dict[str, int] = field(default_factory=dict)
-    misses: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    #: hits served cold because the measured costs said the restore would lose to a prefill
-    restores_skipped: int = 0
-    #: replies re-decoded while the server was idle, and their tokens
-    turns_prepared: int = 0
-    tokens_prepared: int = 0
-    #: conversations checkpointed while the server was idle (not by the request leaving them)
-    parked_ahead: int = 0
-    #: prefetches of likely-next conversations' L3 pages into L2, their pages, bytes and misses
-    prefetches: int = 0
-    prefetched_pages: int = 0
-    prefetched_bytes: int = 0
-    prefetch_misses: int = 0
+    #: this process's cache counters (``PrefixCache.counters_json``; see
+    #: :mod:`skippy_llama.counters`), all zero when no model is loaded
+    counters: dict[str, Any] = field(default_factory=lambda: asdict(CacheCounters()))
     #: the status (JSON) of every other tier, by name (the remote tier, registered tiers)
     others: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def counters_json(self) -> dict[str, Any]:
-        return {
-            "lookups": self.lookups,
-            "hits": dict(self.hits),
-            "misses": self.misses,
-            "fallbacks": dict(self.fallbacks),
-            "restores_skipped": self.restores_skipped,
-            "turns_prepared": self.turns_prepared,
-            "tokens_prepared": self.tokens_prepared,
-            "parked_ahead": self.parked_ahead,
-            "prefetches": self.prefetches,
-            "prefetched_pages": self.prefetched_pages,
-            "prefetched_bytes": self.prefetched_bytes,
-            "prefetch_misses": self.prefetch_misses,
-        }
+        """The cache counters, every one (a new counter shows without an edit here)."""
+        return dict(self.counters)
 
 
 T = TypeVar("T")
@@ -92,10 +68,6 @@ def _read(read: Callable[[], T], empty: T) -> T:
         except RuntimeError:  # dictionary changed size during iteration
             continue
     return empty
-
-
-def _copy_counter(counter: Any) -> dict[str, int]:
-    return _read(lambda: {str(k): int(v) for k, v in dict(counter).items()}, {})
 
 
 def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
@@ -117,24 +89,12 @@ def take_snapshot(llm: SkippyLlama | None) -> TierSnapshot:
         else ResidentSnapshot(enabled=False)
     )
     l2, l3 = statuses.get("l2"), statuses.get("l3")
-    counters = cache.counters
     return TierSnapshot(
         taken_at=now,
         l1=l1,
         l2=l2 if isinstance(l2, RamStatus) else None,
         l3=l3 if isinstance(l3, DiskStatus) else None,
-        lookups=counters.lookups,
-        hits=_copy_counter(counters.hits),
-        misses=counters.misses,
-        fallbacks=_copy_counter(counters.fallbacks),
-        restores_skipped=counters.restores_skipped,
-        turns_prepared=counters.turns_prepared,
-        tokens_prepared=counters.tokens_prepared,
-        parked_ahead=counters.parked_ahead,
-        prefetches=counters.prefetches,
-        prefetched_pages=counters.prefetched_pages,
-        prefetched_bytes=counters.prefetched_bytes,
-        prefetch_misses=counters.prefetch_misses,
+        counters=cache.counters_json(),
         others={
             name: status.to_json()
             for name, status in statuses.items()

@@ -102,10 +102,10 @@ def _remote(context: TierContext, disk: DiskTier | None) -> Tier | None:
     settings = context.settings.remote
     if not settings.enabled or not context.pageable:
         return None
-    from .remote.pages import RemotePages  # the optional `remote` extra (redis)
+    from .remote.store import RemoteStore  # the optional `remote` extra (redis)
     from .remote.tier import RemoteTier
 
-    tier = RemoteTier(settings, identity=context.identity.root)
+    store = RemoteStore(settings, identity=context.identity.root)
     load = None
     if disk is not None:
 
@@ -113,12 +113,12 @@ def _remote(context: TierContext, disk: DiskTier | None) -> Tier | None:
             pages = disk.read([key])
             return bytes(pages[0]) if pages else None
 
-    pages = RemotePages(tier, context.identity.root, load, context.settings.page_tokens)
+    tier = RemoteTier(store, context.identity.root, load, context.settings.page_tokens)
     if disk is not None:
-        disk.add_write_listener(pages.push)
+        disk.add_write_listener(tier.push)
     else:
         log.warning("skippy-llama: the remote tier reads only: pages are pushed by L3's writer")
-    return pages
+    return tier
 
 
 def _resident(context: TierContext) -> ResidentIndex | None:

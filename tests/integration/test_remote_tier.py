@@ -22,9 +22,9 @@ from skippy_llama.errors import ConfigError
 from skippy_llama.identity import chain_key, token_bytes
 from skippy_llama.tiers.base import RemoteMatch
 from skippy_llama.tiers.records import PageBlob, PrefixRecord
-from skippy_llama.tiers.remote import RemoteTier
+from skippy_llama.tiers.remote import RemoteStore
 from skippy_llama.tiers.remote import codec as remote_codec
-from skippy_llama.tiers.remote.tier import MAX_CHILDREN
+from skippy_llama.tiers.remote.store import MAX_CHILDREN
 
 PAGE_TOKENS = 16
 
@@ -46,9 +46,9 @@ def secret_file(tmp_path: Path, name: str = "remote.key", data: bytes | None = N
     return path
 
 
-def make_tier(url: str, secret: Path, clock: Clock | None = None, **settings: object) -> RemoteTier:
+def make_store(url: str, secret: Path, clock: Clock | None = None, **settings: object) -> RemoteStore:
     remote = RemoteSettings(url=url, secret_file=secret, **settings)  # type: ignore[arg-type]
-    return RemoteTier(remote, clock=clock or Clock())
+    return RemoteStore(remote, clock=clock or Clock())
 
 
 def page_bytes(rng: random.Random, size: int) -> bytes:
@@ -89,7 +89,7 @@ def secret(tmp_path: Path) -> Path:
 def test_round_trip_and_repeat_push_sends_no_page_bytes(
     redis_clean: RedisServer, secret: Path
 ) -> None:
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         record, keys, payloads = make_record(ROOT_A, 1, 5)
         first = tier.push(record)
         assert (first.pages_sent, first.pages_present, first.manifest_sent) == (5, 0, True)
@@ -119,9 +119,9 @@ def test_a_second_instance_fetches_what_the_first_pushed(
 ) -> None:
     """Two tier objects (two nodes, one secret): B restores A's pages; over the Unix socket."""
     record, keys, payloads = make_record(ROOT_A, 3, 4)
-    with make_tier(redis_clean.url, secret) as node_a:
+    with make_store(redis_clean.url, secret) as node_a:
         node_a.push(record)
-    with make_tier(redis_clean.unix_url, secret) as node_b:
+    with make_store(redis_clean.unix_url, secret) as node_b:
         assert node_b.match(ROOT_A, keys).depth == 4
         assert node_b.fetch(keys, root=ROOT_A) == payloads
 
@@ -130,10 +130,10 @@ def test_a_wrong_secret_matches_nothing(
     redis_clean: RedisServer, secret: Path, tmp_path: Path
 ) -> None:
     record, keys, _ = make_record(ROOT_A, 4, 3)
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         tier.push(record)
     stranger = secret_file(tmp_path, "other.key")
-    with make_tier(redis_clean.url, stranger) as other:
+    with make_store(redis_clean.url, stranger) as other:
         assert other.match(ROOT_A, keys).depth == 0
         assert other.fetch(keys, root=ROOT_A) == []
         assert other.status()["bad_values"] == {"missing": 1}
@@ -145,8 +145,8 @@ def test_a_value_planted_without_the_secret_is_refused(
     """Someone who can write the server but lacks the secret writes under our key names (they
     are visible to anyone listing the server): a miss, counted, and the value deleted."""
     record, keys, _ = make_record(ROOT_A, 5, 2)
-    with make_tier(redis_clean.url, secret) as tier:
-        forger = make_tier(redis_clean.url, secret_file(tmp_path, "forger.key"))
+    with make_store(redis_clean.url, secret) as tier:
+        forger = make_store(redis_clean.url, secret_file(tmp_path, "forger.key"))
         names = [tier.keys.page(ROOT_A.hex(), key) for key in keys]
         client = redis_clean.client()
         for name, page in zip(names, record.pages, strict=True):
@@ -174,7 +174,7 @@ def test_damaged_values_are_misses_and_counted(
     redis_clean: RedisServer, secret: Path, damage: object, reason: str
 ) -> None:
     record, keys, payloads = make_record(ROOT_A, 6, 4)
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         tier.push(record)
         name = tier.keys.page(ROOT_A.hex(), keys[2])
         client = redis_clean.client()
@@ -194,7 +194,7 @@ def test_a_value_moved_to_another_key_does_not_verify(
     """The tag covers the key a value is stored under: page 1's frame under page 0's key (or
     under another identity) is refused."""
     record, keys, _payloads = make_record(ROOT_A, 7, 2)
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         tier.push(record)
         client = redis_clean.client()
         names = [tier.keys.page(ROOT_A.hex(), key) for key in keys]
@@ -211,7 +211,7 @@ def test_server_killed_mid_run_opens_the_breaker_then_restarted_empty_is_a_miss(
 ) -> None:
     clock = Clock()
     record, keys, _ = make_record(ROOT_A, 8, 3)
-    with make_tier(redis_clean.url, secret, clock, breaker_failures=3) as tier:
+    with make_store(redis_clean.url, secret, clock, breaker_failures=3) as tier:
         tier.push(record)
         assert tier.match(ROOT_A, keys).depth == 3
         redis_clean.kill()
@@ -247,7 +247,7 @@ def test_a_failed_probe_opens_the_breaker_again_for_longer(
 ) -> None:
     clock = Clock()
     _, keys, _ = make_record(ROOT_A, 9, 2)
-    with make_tier(redis_clean.url, secret, clock, breaker_failures=2) as tier:
+    with make_store(redis_clean.url, secret, clock, breaker_failures=2) as tier:
         redis_clean.kill()
         try:
             tier.match(ROOT_A, keys)
@@ -270,7 +270,7 @@ def test_a_paused_server_times_out_and_opens_the_breaker(
     redis_clean: RedisServer, secret: Path
 ) -> None:
     record, keys, _ = make_record(ROOT_A, 10, 2)
-    with make_tier(redis_clean.url, secret, timeout_ms=100, breaker_failures=2) as tier:
+    with make_store(redis_clean.url, secret, timeout_ms=100, breaker_failures=2) as tier:
         tier.push(record)
         redis_clean.pause()
         try:
@@ -292,7 +292,7 @@ def test_maxmemory_with_allkeys_lru_evicts_without_errors(
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.config_set("maxmemory", str(client.info("memory")["used_memory"] + (8 << 20)))
     records = [make_record(bytes([i]) * 16, 100 + i, 4, 256 << 10) for i in range(32)]
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         for record, _, _ in records:
             tier.push(record)
         assert client.info("stats")["evicted_keys"] > 0
@@ -315,7 +315,7 @@ def test_maxmemory_without_eviction_suspends_writes_and_keeps_reads(
 ) -> None:
     client = redis_clean.client()
     clock = Clock()
-    with make_tier(redis_clean.url, secret, clock) as tier:
+    with make_store(redis_clean.url, secret, clock) as tier:
         kept, kept_keys, kept_payloads = make_record(ROOT_A, 11, 2)
         tier.push(kept)
         client.config_set("maxmemory", str(client.info("memory")["used_memory"] + (1 << 20)))
@@ -352,7 +352,7 @@ def test_a_records_tail_is_found_after_its_aligned_pages(
     parent, one lookup returns it (authenticated), and a forged entry is a counted miss."""
     record, keys = tailed_record(ROOT_A, 21, 3, tail=5)
     tail = record.pages[-1]
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         tier.push(record, index=[tail.key])
         found = tier.match(ROOT_A, keys[:3])
         assert (found.depth, found.children) == (3, ((tail.key, tail.tokens),))
@@ -370,7 +370,7 @@ def test_a_records_tail_is_found_after_its_aligned_pages(
         assert tier.match(ROOT_A, keys[:3]).children == ((tail.key, tail.tokens),)
         assert tier.status()["bad_values"] == {"unauthenticated_child": 1, "foreign_child": 1}
         # an instance with another secret finds nothing, the index included
-        with make_tier(redis_clean.url, secret_file(tmp_path, "other.key")) as stranger:
+        with make_store(redis_clean.url, secret_file(tmp_path, "other.key")) as stranger:
             assert stranger.match(ROOT_A, keys[:3]) == RemoteMatch(0)
         inventory = tier.server_status()["inventory"][ROOT_A.hex()]
         assert (inventory["pages"], inventory["child_entries"]) == (4, 3)
@@ -379,7 +379,7 @@ def test_a_records_tail_is_found_after_its_aligned_pages(
 
 
 def test_a_busy_nodes_child_index_is_bounded(redis_clean: RedisServer, secret: Path) -> None:
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         base, keys, _ = make_record(ROOT_A, 23, 1)
         tier.push(base)
         for n in range(MAX_CHILDREN + 1):
@@ -396,7 +396,7 @@ def test_a_busy_nodes_child_index_is_bounded(redis_clean: RedisServer, secret: P
 def test_clear_of_one_identity_leaves_the_others(
     redis_clean: RedisServer, secret: Path, tmp_path: Path
 ) -> None:
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         rec_a, keys_a, _ = make_record(ROOT_A, 13, 3)
         rec_b, keys_b, payloads_b = make_record(ROOT_B, 14, 2)
         tier.push(rec_a)
@@ -420,7 +420,7 @@ def test_clear_of_one_identity_leaves_the_others(
 def test_prune_removes_pages_after_a_gap_and_cuts_the_manifest(
     redis_clean: RedisServer, secret: Path
 ) -> None:
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         record, keys, payloads = make_record(ROOT_A, 15, 4)
         tier.push(record)
         client = redis_clean.client()
@@ -438,7 +438,7 @@ def test_prune_removes_pages_after_a_gap_and_cuts_the_manifest(
 def test_ttl_expires_keys_and_a_repeat_push_refreshes_it(
     redis_clean: RedisServer, secret: Path
 ) -> None:
-    with make_tier(redis_clean.url, secret, ttl=3600) as tier:
+    with make_store(redis_clean.url, secret, ttl=3600) as tier:
         record, keys, _ = make_record(ROOT_A, 16, 2)
         tier.push(record)
         client = redis_clean.client()
@@ -455,12 +455,12 @@ def test_the_secret_is_required_and_must_be_private(tmp_path: Path) -> None:
     loose = secret_file(tmp_path, "loose.key")
     loose.chmod(0o644)
     with pytest.raises(ConfigError, match=r"remote\.secret_file.*others can read"):
-        make_tier("redis://127.0.0.1:1/0", loose)
+        make_store("redis://127.0.0.1:1/0", loose)
     short = secret_file(tmp_path, "short.key", b"tiny")
     with pytest.raises(ConfigError, match=r"remote\.secret_file.*holds 4 bytes"):
-        make_tier("redis://127.0.0.1:1/0", short)
+        make_store("redis://127.0.0.1:1/0", short)
     with pytest.raises(ConfigError, match=r"remote\.secret_file.*cannot read"):
-        make_tier("redis://127.0.0.1:1/0", tmp_path / "absent.key")
+        make_store("redis://127.0.0.1:1/0", tmp_path / "absent.key")
 
 
 # ---------------------------------------------------------------------- kv-cache --remote
@@ -480,7 +480,7 @@ def test_kv_cache_status_prune_and_clear_act_on_the_remote_tier(
     rec_a, keys_a, _ = make_record(ROOT_A, 20, 3)
     rec_b, keys_b, payloads_b = make_record(ROOT_B, 21, 2)
     rec_b = PrefixRecord(rec_b.cache_identity, "model-b", "other", rec_b.n_tokens, rec_b.pages)
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         tier.push(rec_a)
         tier.push(rec_b)
     flags = remote_flags(redis_clean.url, secret)
@@ -494,7 +494,7 @@ def test_kv_cache_status_prune_and_clear_act_on_the_remote_tier(
 
     # the server lost a page of A's prefix: prune removes the pages after it
     client = redis_clean.client()
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         client.delete(tier.keys.page(ROOT_A.hex(), keys_a[1]))
     assert main(["kv-cache", "prune", "--remote", "--yes", "--json", *flags]) == 0
     (pruned,) = json.loads(capsys.readouterr().out)
@@ -504,7 +504,7 @@ def test_kv_cache_status_prune_and_clear_act_on_the_remote_tier(
     argv = ["kv-cache", "clear", "--remote", "--model-identity", "model-a", "--yes", *flags]
     assert main(argv) == 0
     assert "cleared 2 remote keys" in capsys.readouterr().out  # page 0 and the cut manifest
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         assert tier.match(ROOT_A, keys_a).depth == 0
         assert tier.fetch(keys_b, root=ROOT_B) == payloads_b
     argv = ["kv-cache", "clear", "--remote", "--cache-identity", ROOT_B.hex(), "--yes", *flags]
@@ -552,7 +552,7 @@ def test_push_takes_l3_stored_bytes_and_loads_reused_pages(
     later = PrefixRecord(
         record.cache_identity, record.model_identity, "synthetic", record.n_tokens, reused
     )
-    with make_tier(redis_clean.url, secret) as tier:
+    with make_store(redis_clean.url, secret) as tier:
         cut = tier.push(later)  # page 0 has no bytes here: nothing can be pushed
         assert (cut.pages_sent, cut.manifest_sent) == (0, False)
         assert tier.status()["activity"]["pages_without_bytes"] == 1

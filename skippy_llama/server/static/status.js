@@ -36,9 +36,22 @@
     const s = xs.slice().sort((a, b) => a - b);
     return s[Math.floor((s.length - 1) / 2)];
   }
+  const ns = "http://www.w3.org/2000/svg";
+  function svgEl(svg, tag, attrs, text) {
+    const el = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, String(v));
+    if (text !== undefined) el.textContent = text;
+    svg.appendChild(el);
+    return el;
+  }
   function chart(recent) {
     const svg = $("chart");
     svg.replaceChildren();
+    // drawn in the svg's own pixels (no stretching), so the axis labels keep their shape
+    const w = Math.max(300, Math.round(svg.getBoundingClientRect().width) || 600), h = 200;
+    svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+    const left = 44, right = w - 12, top = 10, bottom = h - 34;
+    const yAt = (v) => bottom - (bottom - top) * v;
     // each point: the 10 requests up to and including that one
     const ok = recent.filter((r) => r.outcome === "ok");
     const span = 10, points = { hit: [], share: [] };
@@ -46,31 +59,35 @@
       const win = ok.slice(Math.max(0, i + 1 - span), i + 1);
       const prompt = win.reduce((a, r) => a + r.prompt_tokens, 0);
       const cached = win.reduce((a, r) => a + r.cached_tokens, 0);
-      points.hit.push(win.filter((r) => r.tier !== "cold").length / win.length);
+      points.hit.push(win.filter((r) => r.hit).length / win.length);
       points.share.push(prompt ? cached / prompt : 0);
     });
-    const ns = "http://www.w3.org/2000/svg";
-    for (const y of [0, 0.5, 1]) {
-      const line = document.createElementNS(ns, "line");
-      line.setAttribute("x1", "0"); line.setAttribute("x2", "600");
-      line.setAttribute("y1", String(170 - 160 * y)); line.setAttribute("y2", String(170 - 160 * y));
-      line.setAttribute("stroke", "#e4e7eb");
-      svg.appendChild(line);
+    const step = ok.length > 1 ? (right - left) / (ok.length - 1) : 0;
+    const xAt = (i) => left + i * step;
+    // y axis: 0 to 100 % in quarters
+    for (const v of [0, 0.25, 0.5, 0.75, 1]) {
+      svgEl(svg, "line", { x1: left, x2: right, y1: yAt(v), y2: yAt(v), stroke: v ? "#e4e7eb" : "#8a94a3" });
+      svgEl(svg, "text", { x: left - 6, y: yAt(v) + 4, "text-anchor": "end", class: "tick y" }, (100 * v) + " %");
     }
+    svgEl(svg, "line", { x1: left, x2: left, y1: top, y2: bottom, stroke: "#8a94a3" });
+    // x axis: the requests' times, at most five ticks
+    const ticks = ok.length > 1 ? Math.min(5, ok.length) : ok.length;
+    for (let t = 0; t < ticks; t++) {
+      const i = ticks > 1 ? Math.round(t * (ok.length - 1) / (ticks - 1)) : 0;
+      const x = xAt(i), anchor = ticks > 1 && t === 0 ? "start" : t === ticks - 1 && ticks > 1 ? "end" : "middle";
+      svgEl(svg, "line", { x1: x, x2: x, y1: bottom, y2: bottom + 4, stroke: "#8a94a3" });
+      svgEl(svg, "text", { x: x, y: bottom + 16, "text-anchor": anchor, class: "tick x" },
+        new Date(ok[i].at * 1000).toLocaleTimeString());
+    }
+    svgEl(svg, "text", { x: (left + right) / 2, y: h - 3, "text-anchor": "middle", class: "axis" },
+      ok.length ? "request finished at (" + ok.length + " requests)" : "no requests yet");
     for (const key of ["hit", "share"]) {
-      const ys = points[key];
-      const step = ys.length > 1 ? 580 / (ys.length - 1) : 0;
-      const xy = ys.map((y, i) => [10 + i * step, 170 - 160 * y]);
-      const path = document.createElementNS(ns, "polyline");
-      path.setAttribute("class", "line " + key);
-      path.setAttribute("points", xy.map(([x, y]) => x.toFixed(1) + "," + y.toFixed(1)).join(" "));
-      svg.appendChild(path);
+      const xy = points[key].map((y, i) => [xAt(i), yAt(y)]);
+      svgEl(svg, "polyline", { class: "line " + key,
+        points: xy.map(([x, y]) => x.toFixed(1) + "," + y.toFixed(1)).join(" ") });
       if (xy.length) {
         const [x, y] = xy[xy.length - 1];
-        const dot = document.createElementNS(ns, "circle");
-        dot.setAttribute("class", "line " + key);
-        dot.setAttribute("cx", x.toFixed(1)); dot.setAttribute("cy", y.toFixed(1)); dot.setAttribute("r", "3");
-        svg.appendChild(dot);
+        svgEl(svg, "circle", { class: "line " + key, cx: x.toFixed(1), cy: y.toFixed(1), r: 3 });
       }
     }
   }
@@ -80,6 +97,9 @@
     $("updated").textContent = "updated " + new Date(d.now * 1000).toLocaleTimeString();
     $("requests").textContent = String(t.requests) + (t.errors ? " (" + t.errors + " failed)" : "");
     $("hit-rate").textContent = pct(t.hit_rate);
+    // the rule is the server's (skippy_llama.counters.HIT_SHARE), not repeated here
+    $("hit-rule").textContent = "a hit reused ≥ " + Math.round(100 * t.hit_share) + " % of its prompt; "
+      + t.short_matches + " shorter match" + (t.short_matches === 1 ? "" : "es");
     $("cached-share").textContent = pct(t.cached_share);
     $("prompt-tokens").textContent = String(t.prompt_tokens);
     $("cached-tokens").textContent = String(t.cached_tokens);
@@ -87,10 +107,12 @@
     $("ttft-p50").textContent = ttft === null ? "–" : ttft.toFixed(1) + " ms";
     $("prepared").textContent = String(d.counters.turns_prepared || 0);
     const mem = d.server.memory, q = d.server.queue;
-    $("memory").textContent = mem
-      ? size(mem.budget_bytes) + (mem.capped ? " (capped)" : "") + " ≈ " + mem.conversations + " conversations of " + mem.n_ctx + " tokens"
-      : "not sized";
-    $("queue").textContent = q ? q.running_or_waiting + " / " + (q.max_queue + 1) + " (" + q.rejected + " refused)" : "–";
+    $("memory").textContent = mem ? size(mem.budget_bytes) : "not sized";
+    $("memory-detail").textContent = mem
+      ? "≈ " + mem.conversations + " conversations of " + mem.n_ctx + " tokens" + (mem.capped ? " (capped)" : "")
+      : "";
+    $("queue").textContent = q ? q.running_or_waiting + " / " + (q.max_queue + 1) : "–";
+    $("queue-detail").textContent = q ? "running + waiting of at most " + (q.max_queue + 1) + "; " + q.rejected + " refused (503)" : "";
     const l1 = d.l1, l2 = d.l2, l3 = d.l3;
     fill("tiers", [
       (tr) => { cell(tr, "L1 resident"); cell(tr, l1.enabled ? "on" : "off");
