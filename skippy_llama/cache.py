@@ -7,9 +7,9 @@ It decides *what* to reuse and never touches llama.cpp. A request flows down and
 :meth:`PrefixCache.plan` asks the :class:`~skippy_llama.plan.Planner` (no side effects);
 :meth:`PrefixCache.fetch` reads a plan's pages; :meth:`PrefixCache.commit` writes the counters,
 the trace and the promotions once, from what actually served. The counters
-(:mod:`skippy_llama.counters`) are written only here, through ``commit`` and the ``count_*``
-methods. Every deeper tier is fail-open: a
-fault is counted and the request falls back to the next-shallower plan.
+(:mod:`skippy_llama.counters`) are written only here, by ``commit`` and the ``count_*`` methods.
+Every deeper tier is fail-open: a fault is counted and the request falls back to the
+next-shallower plan.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class PrefixCache:
             else:
                 hit = is_hit(outcome.n_tokens, len(prompt.tokens))
                 _bump(counters.hits if hit else counters.short_matches, outcome.tier)
-            counters.restores_skipped += int(planned.skipped)
+            counters.restores_skipped += int(bool(planned.skipped))
             for fault in outcome.faults:
                 _bump(counters.fallbacks, fault)
         for name in planned.searched:

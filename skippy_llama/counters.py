@@ -28,11 +28,14 @@ def is_hit(reused_tokens: int, prompt_tokens: int) -> bool:
 
 
 def _count(doc: str, metric: str | None = None) -> Any:
+    """A plain count's field."""
     return field(default=0, metadata={"doc": doc, "metric": metric})
 
 
-def _by(label: str, doc: str, metric: str | None = None) -> Any:
-    return field(default_factory=dict, metadata={"doc": doc, "metric": metric, "label": label})
+def _by(label: str, doc: str, metric: str | None = None) -> dict[str, Any]:
+    """The metadata of a field that counts by ``label`` (``field(default_factory=dict, ...)``:
+    a field() call of its own, so that linters see the mutable default is made per instance)."""
+    return {"doc": doc, "metric": metric, "label": label}
 
 
 @dataclass
@@ -46,17 +49,26 @@ class CacheCounters:
     """
 
     lookups: int = _count("Prefix-cache lookups (requests)")
-    hits: dict[str, int] = _by(
-        "tier", "Requests that reused at least a quarter of their prompt, by the serving tier"
+    hits: dict[str, int] = field(
+        default_factory=dict,
+        metadata=_by(
+            "tier", "Requests that reused at least a quarter of their prompt, by the serving tier"
+        ),
     )
-    short_matches: dict[str, int] = _by(
-        "tier", "Requests that reused less than a quarter of their prompt, by the serving tier"
+    short_matches: dict[str, int] = field(
+        default_factory=dict,
+        metadata=_by(
+            "tier", "Requests that reused less than a quarter of their prompt, by the serving tier"
+        ),
     )
     misses: int = _count("Requests that reused nothing")
-    fallbacks: dict[str, int] = _by(
-        "reason",
-        "Tier faults turned into a shallower hit or a cold prefill, by reason",
-        metric="skippy_fallbacks",
+    fallbacks: dict[str, int] = field(
+        default_factory=dict,
+        metadata=_by(
+            "reason",
+            "Tier faults turned into a shallower hit or a cold prefill, by reason",
+            metric="skippy_fallbacks",
+        ),
     )
     parked: int = _count("Prefixes checkpointed in L1")
     parked_ahead: int = _count(

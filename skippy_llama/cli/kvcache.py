@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import LoadedSettings, Settings
-from ..errors import ConfigError, SkippyError
+from ..config import Settings
+from ..errors import ConfigError
 from ..models import resolve_model_path
 from ..packages.kvdtype import KVDtypeResolution
 from ..sizes import human_size, parse_size

@@ -98,9 +98,7 @@ def change(args: argparse.Namespace, what: str) -> int:
     loaded = settings_from_args(args)
     store = open_store(loaded)
     try:
-        idents = _identities(
-            store, args.model_identity, getattr(args, "cache_identity", None)
-        )
+        idents = _identities(store, args.model_identity, getattr(args, "cache_identity", None))
         scope = "every identity" if idents is None else f"cache identities {', '.join(idents)}"
         where = f"the remote tier at {store.status()['url']} (namespace {store.settings.namespace})"
         verb = "Remove every key of" if what == "clear" else "Prune unreachable entries of"

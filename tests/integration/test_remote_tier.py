@@ -46,7 +46,9 @@ def secret_file(tmp_path: Path, name: str = "remote.key", data: bytes | None = N
     return path
 
 
-def make_store(url: str, secret: Path, clock: Clock | None = None, **settings: object) -> RemoteStore:
+def make_store(
+    url: str, secret: Path, clock: Clock | None = None, **settings: object
+) -> RemoteStore:
     remote = RemoteSettings(url=url, secret_file=secret, **settings)  # type: ignore[arg-type]
     return RemoteStore(remote, clock=clock or Clock())
 

@@ -123,6 +123,17 @@ def test_status_page_shows_live_numbers(smollm2_path: Path, tmp_path: Path) -> N
     assert page.texts["requests"].strip() == "5"
     assert page.texts["model"].strip() == "SmolLM2-135M-Instruct.Q4_1"
     assert page.texts["hit-rate"].strip() == f"{100 * totals['hit_rate']:.1f} %"
+    # the page says what a hit is, and counts the shorter matches apart
+    short = totals["short_matches"]
+    assert totals["hits"] + short <= totals["requests"]
+    assert page.texts["hit-rule"].strip() == (
+        f"a hit reused ≥ 25 % of its prompt; {short} shorter match{'' if short == 1 else 'es'}"
+    )
+    assert (
+        page.texts["memory-detail"].startswith("≈ ")
+        and "conversations" in page.texts["memory-detail"]
+    )
+    assert "refused (503)" in page.texts["queue-detail"]
     assert page.texts["cached-share"].strip() == f"{100 * totals['cached_share']:.1f} %"
     assert int(page.texts["cached-tokens"]) == totals["cached_tokens"] > 0
     # replies are prepared in the gaps between requests; the browser came later than status.json
@@ -133,5 +144,10 @@ def test_status_page_shows_live_numbers(smollm2_path: Path, tmp_path: Path) -> N
     assert page.texts["recent"].count("completions") == 3
     assert page.texts["recent"].count("chat") == 2
     assert "points=" in dom.stdout  # the chart was drawn
+    # with its scale: 0 to 100 % on the y axis, the requests' times on the x axis
+    chart = page.texts["chart"]
+    for tick in ("0 %", "25 %", "50 %", "75 %", "100 %"):
+        assert tick in chart
+    assert "request finished at (5 requests)" in chart
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

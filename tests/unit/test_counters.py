@@ -83,7 +83,7 @@ def test_every_counter_is_a_metric() -> None:
     names = [spec.metric for spec in metric_fields()]
     assert len(names) == len(fields(CacheCounters))
     for name in names:
-        assert f"# TYPE {name} counter" in text, name
+        assert f"# TYPE {name}_total counter" in text, name
     assert 'skippy_cache_hits_total{tier="l1"} 1.0' in text
     assert 'skippy_cache_short_matches_total{tier="l1"} 1.0' in text
     assert "skippy_cache_records_deferred_total 1.0" in text
