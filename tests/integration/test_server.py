@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from serverproc import THREADS, ServerProcess, free_port
 
 from skippy_llama.cli.serve import SERVE_L1_DEFAULTS
 from skippy_llama.config import load_settings
+from skippy_llama.counters import CacheCounters
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.server.routes import _NOT_MODEL_ARGS, ChatBody, CompletionBody
@@ -268,6 +270,11 @@ def test_metrics_parse_and_count_requests_tokens_and_tiers(server: ServerProcess
         assert name in after, name
     assert _value(after, "skippy_l3_state", state="active") == 1
     assert _value(after, "skippy_l1_resident_prefixes") >= 1
+    # every cache counter is in the status JSON and is a metric (one asdict feeds both)
+    process = _get(server, "/v1/kv-cache/status")["process"]
+    assert {f.name for f in fields(CacheCounters)} <= set(process)
+    for name in ("park_skipped", "records_skipped", "records_deferred", "lookups"):
+        assert _value(after, f"skippy_cache_{name}") <= process[name], name
     deadline = time.monotonic() + 30  # L3 writes happen off the request path
     while _value(_families(_get(server, "/metrics")), "skippy_l3_pages") == 0:
         assert time.monotonic() < deadline, "no page reached L3"
