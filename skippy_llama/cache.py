@@ -264,14 +264,17 @@ class PrefixCache:
             counters.prefetched_bytes += result.bytes
             counters.prefetch_misses += int(result.stopped in ("l3_miss", "error"))
 
-    def count_prepared(self, tokens: int, *, parked: bool) -> None:
-        """Count a reply re-decoded between requests (``tokens`` of it) and whether its chat
-        was then checkpointed in L1 ahead of the next turn."""
+    def count_prepared(self, tokens: int) -> None:
+        """Count a reply re-decoded between requests, ``tokens`` of it."""
         with self._count_lock:
-            counters = self._counters
-            counters.turns_prepared += 1
-            counters.tokens_prepared += tokens
-            counters.parked_ahead += int(parked)
+            self._counters.turns_prepared += 1
+            self._counters.tokens_prepared += tokens
+
+    def count_parked_ahead(self) -> None:
+        """Count a chat checkpointed in L1 between requests, ahead of its next turn (also
+        counted in ``parked``, by :meth:`commit_park`)."""
+        with self._count_lock:
+            self._counters.parked_ahead += 1
 
     def count_deferred(self) -> None:
         """Count a record left for a later turn (``SkippyLlama.defer_record_tokens``)."""

@@ -115,11 +115,13 @@ def prepare_next_turn(llm: SkippyLlama, stop: Callable[[], bool] | None = None) 
         llm.drop_working()  # a half-repaired reply is neither the old cells nor exact
         return 0
     cache = llm.prefix_cache
+    cache.count_prepared(repaired[0])  # before ``stopped`` is asked again: a server watches it
     parked = cache.counters.parked
     if parked and not stopped():
         # a failed checkpoint leaves the working sequence as it was: the next request parks
         llm.guard("park", None, lambda: llm.park(llm.exact_tokens()))
-    cache.count_prepared(repaired[0], parked=0 < parked < cache.counters.parked)
+        if cache.counters.parked > parked:
+            cache.count_parked_ahead()
     return repaired[0]
 
 

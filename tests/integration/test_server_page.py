@@ -148,6 +148,6 @@ def test_status_page_shows_live_numbers(smollm2_path: Path, tmp_path: Path) -> N
     chart = page.texts["chart"]
     for tick in ("0 %", "25 %", "50 %", "75 %", "100 %"):
         assert tick in chart
-    assert "request finished at (5 requests)" in chart
+    assert "when each request finished (5 requests)" in chart
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

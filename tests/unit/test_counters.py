@@ -46,8 +46,9 @@ def test_the_cache_counts_short_matches_apart_from_hits() -> None:
 def test_every_counter_is_in_the_json_and_written_through_the_cache() -> None:
     cache = PrefixCache(identity=IDENTITY, page_tokens=16)
     cache.count_deferred()
-    cache.count_prepared(40, parked=True)
-    cache.count_prepared(8, parked=False)
+    cache.count_prepared(40)
+    cache.count_parked_ahead()
+    cache.count_prepared(8)
     cache.count_prefetch(PrefetchResult(pages=3, bytes=300, stopped="done"))
     cache.count_prefetch(PrefetchResult(stopped="l3_miss"))
     cache.fallback("record: OSError")

@@ -80,7 +80,7 @@
         new Date(ok[i].at * 1000).toLocaleTimeString());
     }
     svgEl(svg, "text", { x: (left + right) / 2, y: h - 3, "text-anchor": "middle", class: "axis" },
-      ok.length ? "request finished at (" + ok.length + " requests)" : "no requests yet");
+      ok.length ? "when each request finished (" + ok.length + " requests)" : "no requests yet");
     for (const key of ["hit", "share"]) {
       const xy = points[key].map((y, i) => [xAt(i), yAt(y)]);
       svgEl(svg, "polyline", { class: "line " + key,
