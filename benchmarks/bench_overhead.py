@@ -22,6 +22,19 @@ builds). Workloads:
   gaps between requests). Only the requests are timed, as in every workload; the think-time
   work is kept apart as ``idle_s``. Plain ``Llama`` has nothing to do there.
 
+The patterns users run (issue 42), each streamed so that the time to the first token is
+measured the same way for every mode (``ttft_s``):
+
+* ``doc_questions``: one ~1,300-token document, then questions as new completions, each prompt
+  the document + a question + an answer cue, differing from the previous prompt only in its
+  last ~14 tokens (16 tokens each; retrieval and document chat);
+* ``doc_chat``: the same as chat completions: the document as the system prompt, the question
+  as the user's message, each a new chat of two messages;
+* ``doc_restart``: interleaved documents after a restart: a first model object asks question 0
+  of every document and closes (setup, untimed: for the L3 modes it warms a store), then the
+  timed model object, a new one on the same store (a process restart as L3 sees it: L1 and L2
+  empty), asks them in the order A, B, B, A, C, C, A, B with new questions.
+
 Rounds are interleaved: on a shared 2-core machine the speed drifts by 7-10 % over minutes, so
 running all rounds of one mode before the next let drift decide a ratio (the same chat measured
 1.14x and 1.01x plain within an hour). Each test is one round of one mode (``CASES``, parametrized
@@ -55,10 +68,12 @@ on another fresh model (its pytest-benchmark time includes loading and cProfile'
 ``extra_info`` matters): inclusive time of the runtime's steps, grouped by substrings of function
 names (see ``PROFILE_GROUPS``) so renamed or removed methods just count zero.
 
-Usage (``SKIPPY_BENCH_QUICK=1``: 6 turns, 3 documents, 3 continuations)::
+Usage (``SKIPPY_BENCH_QUICK=1``: 6 turns, 3 documents, 3 continuations, 4 questions, restart
+order A, B, B, A over 2 documents; ``-k doc_`` runs the document workloads alone)::
 
     .venv/bin/pytest benchmarks/bench_overhead.py --benchmark-json=benchmarks/results/overhead.json
     .venv/bin/python tests/overhead_table.py benchmarks/results/overhead.json
+    .venv/bin/python tests/overhead_table.py --readme benchmarks/results/overhead.json
 """
 
 from __future__ import annotations
@@ -92,7 +107,12 @@ from overhead_workloads import (
     WORKLOADS,
     chat_messages,
     continuation_parts,
+    document,
     documents,
+    question_messages,
+    question_prompt,
+    restart_requests,
+    restart_warmup,
     round_order,
 )
 
@@ -171,11 +191,14 @@ def _note(llm: llama_cpp.Llama, run: Run, started: Stamp) -> None:
         run.events.append(event.to_dict())
 
 
-def _stream_reply(chunks: Iterator[Any], run: Run, started: Stamp) -> str:
+def _stream_reply(chunks: Iterator[Any], run: Run, started: Stamp, *, chat: bool = True) -> str:
+    """The streamed reply's text (chat deltas or completion texts); notes its first and last
+    token's times."""
     parts: list[str] = []
     first = last = None
     for chunk in chunks:
-        content = chunk["choices"][0].get("delta", {}).get("content")
+        choice = chunk["choices"][0]
+        content = choice.get("delta", {}).get("content") if chat else choice.get("text")
         if content:
             now = time.perf_counter()
             first = now if first is None else first
@@ -240,6 +263,64 @@ def run_continue(llm: llama_cpp.Llama, think: bool = False) -> Run:
     return run
 
 
+def _ask(llm: llama_cpp.Llama, run: Run, prompt: str) -> None:
+    """One streamed completion over a document, timed to its first and last token."""
+    started = Stamp.now()
+    chunks: Any = llm.create_completion(
+        prompt, max_tokens=SIZES.answer_tokens, temperature=0.0, stream=True
+    )
+    reply = _stream_reply(chunks, run, started, chat=False)
+    _note(llm, run, started)
+    run.replies.append(reply)
+
+
+def run_doc_questions(llm: llama_cpp.Llama) -> Run:
+    run = Run()
+    doc = document(_tokenizer(llm), 0)
+    for q in range(SIZES.doc_questions):
+        _ask(llm, run, question_prompt(doc, q))
+    return run
+
+
+def run_doc_chat(llm: llama_cpp.Llama) -> Run:
+    run = Run()
+    doc = document(_tokenizer(llm), 0)
+    for q in range(SIZES.doc_questions):
+        started = Stamp.now()
+        chunks: Any = llm.create_chat_completion(
+            messages=question_messages(doc, q),  # type: ignore[arg-type]
+            max_tokens=SIZES.answer_tokens,
+            temperature=0.0,
+            stream=True,
+        )
+        reply = _stream_reply(chunks, run, started)
+        _note(llm, run, started)
+        run.replies.append(reply)
+    return run
+
+
+def _doc_requests(llm: llama_cpp.Llama, requests: list[tuple[int, int]]) -> Run:
+    run = Run()
+    tokenize = _tokenizer(llm)
+    docs = {d: document(tokenize, d) for d in sorted({d for d, _ in requests})}
+    for doc, q in requests:
+        _ask(llm, run, question_prompt(docs[doc], q))
+    return run
+
+
+def run_doc_restart(llm: llama_cpp.Llama) -> Run:
+    return _doc_requests(llm, restart_requests())
+
+
+def warm_restart(llm: llama_cpp.Llama) -> None:
+    """The first process of ``doc_restart``: every document's question 0 (untimed)."""
+    _doc_requests(llm, restart_warmup())
+
+
+#: per workload, what a first model object does on the same store before the timed one is
+#: built (SkippyLlama modes only: plain ``Llama`` keeps nothing across objects)
+WARMUPS: dict[str, Callable[[llama_cpp.Llama], None]] = {"doc_restart": warm_restart}
+
 RUNNERS: dict[str, Callable[[llama_cpp.Llama], Run]] = {
     "chat": lambda llm: run_chat(llm, stream=False),
     "chat_stream": lambda llm: run_chat(llm, stream=True),
@@ -247,6 +328,9 @@ RUNNERS: dict[str, Callable[[llama_cpp.Llama], Run]] = {
     "oneshot": run_oneshot,
     "continue": run_continue,
     "continue_idle": lambda llm: run_continue(llm, think=True),
+    "doc_questions": run_doc_questions,
+    "doc_chat": run_doc_chat,
+    "doc_restart": run_doc_restart,
 }
 
 
@@ -357,6 +441,11 @@ def test_overhead(benchmark: Any, workload: str, round_index: int, mode: str) ->
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
         tmp = tempfile.TemporaryDirectory(prefix="skippy-overhead-l3-")
+        warm = WARMUPS.get(workload)
+        if warm is not None and mode.startswith("skippy"):
+            first = make_model(mode, Path(tmp.name))
+            warm(first)
+            first.close()  # lands its L3 records: the next object starts from a warm store
         held.append((make_model(mode, Path(tmp.name)), tmp))
         return (held[-1][0],), {}
 
@@ -394,6 +483,8 @@ def test_overhead(benchmark: Any, workload: str, round_index: int, mode: str) ->
         info["idle_s"] = round(sum(run.idle_s), 4)
     if run.ttft_s:
         info["ttft_s"] = _r(run.ttft_s)
+        info["ttft_total_s"] = round(sum(run.ttft_s), 4)
+        info["last_ttft_s"] = round(run.ttft_s[-1], 4)
         info["last_token_s"] = _r(run.last_token_s)
     if run.events:
         info["events"] = _event_sums(run.events)

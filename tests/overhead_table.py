@@ -12,9 +12,15 @@ not inflate; see bench_overhead's docstring). JSON written before the rounds wer
 It lives in ``tests/`` beside ``overhead_workloads.py`` so that its test runs in CI without the
 tests depending on ``benchmarks/``.
 
+Streamed workloads (``chat_stream`` and the document workloads) also get the time to the first
+token, summed over a round's requests and of its last request, paired with plain's the same
+way. ``--readme`` prints the rows of README's Performance table for the document workloads
+(same document, next question; interleaved documents after a restart) instead.
+
 Usage::
 
     .venv/bin/python tests/overhead_table.py benchmarks/results/overhead.json
+    .venv/bin/python tests/overhead_table.py --readme benchmarks/results/overhead.json
 """
 
 from __future__ import annotations
@@ -139,6 +145,79 @@ def wall_table(rounds: Rounds) -> str:
     return _markdown(header, _per_mode(rounds, cells))
 
 
+def _ttft_total(info: Info) -> float:
+    return float(sum(info["ttft_s"]))
+
+
+def _ttft_last(info: Info) -> float:
+    return float(info["ttft_s"][-1])
+
+
+def ttft_table(rounds: Rounds) -> str:
+    """Time to the first token of the streamed workloads: summed over a round's requests and
+    the last request's, medians over rounds and paired ratios to plain."""
+    rows = []
+    for (workload, mode), per_round in rounds.items():
+        infos = list(per_round.values())
+        if not all("ttft_s" in info for info in infos):
+            continue
+        cells = []
+        for value in (_ttft_total, _ttft_last):
+            ratios = paired_ratios(rounds, workload, mode, value)
+            median = statistics.median(value(info) for info in infos)
+            cells += [f"{median:.3f} s", "–" if mode == "plain" else _spread(ratios)]
+        rows.append([workload, mode, *cells])
+    header = ["workload", "mode", "TTFT summed, median", "TTFT ÷ plain, paired: median (min–max)"]
+    header += ["last TTFT, median", "last TTFT ÷ plain, paired: median (min–max)"]
+    return _markdown(header, rows)
+
+
+#: README's rows: (workload, what the row measures)
+README_ROWS = (
+    ("doc_questions", "same document, next question as completions"),
+    ("doc_chat", "same document, next question as chats"),
+    ("doc_restart", "interleaved documents after a restart (L3 warm from a first process)"),
+)
+#: the modes of a README row, in order, as the row names them
+README_MODES = (("skippy", "defaults"), ("skippy_l3", "L3 on"))
+
+
+def _median_ratio(rounds: Rounds, workload: str, mode: str, value: Callable[[Info], float]) -> str:
+    ratios = paired_ratios(rounds, workload, mode, value)
+    return f"{statistics.median(ratios):.2f}×" if ratios else "–"
+
+
+def _pair(
+    rounds: Rounds, workload: str, mode: str, ttft: Callable[[Info], float], total: str
+) -> str:
+    """``TTFT ratio / total ratio`` (medians of paired ratios) of ``mode`` on ``workload``."""
+    ttft_ratio = _median_ratio(rounds, workload, mode, ttft)
+    return f"{ttft_ratio} / {_median_ratio(rounds, workload, mode, lambda i: float(i[total]))}"
+
+
+def readme_rows(rounds: Rounds, result: str) -> list[str]:
+    """README Performance rows of the document workloads found in ``rounds``: per mode the
+    median paired ratio to plain of TTFT and total (summed over each round's requests), then
+    the same of the last request; ``result`` is the JSON's path for the link."""
+    rows = []
+    modes = [(m, name) for m, name in README_MODES if any(k[1] == m for k in rounds)]
+    for workload, what in README_ROWS:
+        found = [(m, name) for m, name in modes if (workload, m) in rounds]
+        if not found or (workload, "plain") not in rounds:
+            continue
+
+        every = "; ".join(_pair(rounds, workload, m, _ttft_total, "total_s") for m, _ in found)
+        last = "; ".join(_pair(rounds, workload, m, _ttft_last, "last_request_s") for m, _ in found)
+        names = " / ".join(name for _, name in found)
+        rounds_n = len(rounds[(workload, "plain")])
+        rows.append(
+            f"| {what}: TTFT / total vs plain `Llama` ({names}), median of {rounds_n} rounds "
+            f"| **{every}**, last requests {last}, replies equal "
+            f"| [`bench_overhead.py`](benchmarks/bench_overhead.py) ([result]({result})) |"
+        )
+    return rows
+
+
 def cpu_table(rounds: Rounds) -> str:
     """Process CPU time: medians over rounds and paired ratios to plain; CPU ÷ wall shows how
     many cores the process kept busy (it falls when other work takes the cores)."""
@@ -216,7 +295,7 @@ def tables(rows: list[Info]) -> list[str]:
     """Every table the rows give, in print order (empty ones left out)."""
     rounds = by_round(rows)
     if rounds:
-        found = [wall_table(rounds), cpu_table(rounds), steps_table(rounds)]
+        found = [wall_table(rounds), ttft_table(rounds), cpu_table(rounds), steps_table(rounds)]
     else:
         found = [legacy_table(rows)]
     return [table for table in [*found, profile_table(rows)] if table]
@@ -225,10 +304,16 @@ def tables(rows: list[Info]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, help="file written by --benchmark-json")
+    parser.add_argument(
+        "--readme", action="store_true", help="print README's rows of the document workloads"
+    )
     args = parser.parse_args()
     data = json.loads(args.json.read_text())
     rows = [bench["extra_info"] for bench in data["benchmarks"] if bench.get("extra_info")]
-    print("\n\n".join(tables(rows)))
+    if args.readme:
+        print("\n".join(readme_rows(by_round(rows), str(args.json))))
+    else:
+        print("\n\n".join(tables(rows)))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,20 @@ MODES = tuple(
     if m == "plain"
     or m in os.environ.get("SKIPPY_BENCH_MODES", "plain_exact,skippy,skippy_l3").split(",")
 )
-WORKLOADS = ("chat", "chat_stream", "chat_idle", "oneshot", "continue", "continue_idle")
+WORKLOADS = (
+    "chat",
+    "chat_stream",
+    "chat_idle",
+    "oneshot",
+    "continue",
+    "continue_idle",
+    "doc_questions",
+    "doc_chat",
+    "doc_restart",
+)
+#: workloads that start from a store warmed by an earlier model object (``bench_overhead``'s
+#: ``WARMUPS``): a first process's requests, then a new process's
+RESTART_WORKLOADS = ("doc_restart",)
 
 QUICK = os.environ.get("SKIPPY_BENCH_QUICK", "") not in ("", "0")
 #: rounds per workload, each running every mode once (``round_order``)
@@ -49,6 +62,15 @@ class Sizes:
     continuations: int = 3 if QUICK else 8
     continuation_tokens: int = 40
     continue_reply_tokens: int = 32
+    #: same document, next question: a document of ~1,300 tokens, then questions that each
+    #: replace the last ~14 tokens of the previous prompt (issue 42)
+    doc_tokens: int = 1300
+    doc_questions: int = 4 if QUICK else 8
+    answer_tokens: int = 16
+    #: interleaved documents after a restart: the documents and the order the new process asks
+    #: them in (a letter per request; the first process asked each document once)
+    restart_docs: int = 2 if QUICK else 3
+    restart_order: str = "ABBA" if QUICK else "ABBACCAB"
 
 
 SIZES = Sizes()
@@ -148,6 +170,52 @@ def continuation_parts(tokenize: Callable[[str], list[int]]) -> list[str]:
         "\n" + text_of(tokenize, SIZES.continuation_tokens, 3000 + c)
         for c in range(SIZES.continuations)
     ]
+
+
+#: how each question starts: distinct first words, so two questions share no token after the
+#: document's ``Question:``
+_OPENERS = ("What", "Which", "Where", "How", "Why", "Who", "When", "Name", "Count", "List")
+
+
+def document(tokenize: Callable[[str], list[int]], index: int) -> str:
+    """Document ``index`` of the document workloads: about ``SIZES.doc_tokens`` tokens."""
+    return text_of(tokenize, SIZES.doc_tokens, 4000 + index)
+
+
+def question(index: int) -> str:
+    """Question ``index`` (about 12 tokens), unlike every other from its first word on."""
+    rng = random.Random(5000 + index)
+    a, b, c = (rng.choice(_WORDS) for _ in range(3))
+    return f"{_OPENERS[index % len(_OPENERS)]} {a} lies between the {b} and the {c}?"
+
+
+def question_prompt(doc: str, index: int) -> str:
+    """A completion prompt over ``doc``: prompts of two questions differ only in their last
+    ~14 tokens (the question and the answer cue)."""
+    return f"{doc}\n\nQuestion: {question(index)}\nAnswer:"
+
+
+def question_messages(doc: str, index: int) -> list[dict[str, str]]:
+    """The chat form of :func:`question_prompt`: the document as the system prompt, the
+    question as the user's message."""
+    return [{"role": "system", "content": doc}, {"role": "user", "content": question(index)}]
+
+
+def restart_requests() -> list[tuple[int, int]]:
+    """(document, question) of each request of the new process in ``doc_restart``, in order;
+    question 0 of every document is the first process's (:func:`restart_warmup`)."""
+    asked: dict[int, int] = {}
+    out = []
+    for letter in SIZES.restart_order:
+        doc = ord(letter) - ord("A")
+        asked[doc] = asked.get(doc, 0) + 1
+        out.append((doc, asked[doc]))
+    return out
+
+
+def restart_warmup() -> list[tuple[int, int]]:
+    """(document, question) of the first process's requests: question 0 of every document."""
+    return [(doc, 0) for doc in range(SIZES.restart_docs)]
 
 
 def round_order(round_index: int) -> tuple[str, ...]:

@@ -182,6 +182,7 @@ class DiskActivity(_Json):
     misses: int = 0  # read() calls that served nothing, plus note_miss()
     pages_read: int = 0
     bytes_read: int = 0
+    pages_read_in_flight: int = 0  # of pages_read, made from records waiting for the writer
     writes: int = 0  # pages actually written (deduplicated pages are not writes)
     pages_deduplicated: int = 0  # pages a record found already stored
     bytes_written: int = 0

@@ -7,6 +7,7 @@ The workloads and the table live in ``tests/`` (``overhead_workloads.py``, ``ove
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -52,6 +53,42 @@ def test_workloads_have_the_stated_sizes_and_no_shared_prefix(smollm2_path: Path
     assert all(len(tokenize(p)) <= sizes.continuation_tokens + 40 for p in parts[1:])
 
 
+@pytest.mark.model
+def test_document_workloads_change_only_the_last_tokens_of_a_long_prompt(
+    smollm2_path: Path,
+) -> None:
+    """Same document, next question: ~1,300 tokens of document, then prompts that differ from
+    the previous one only in their last ~14 tokens; the restart order asks documents A, B, B,
+    A ... with questions the first process never asked."""
+    bench = _bench()
+    vocab = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
+
+    def tokenize(text: str) -> list[int]:
+        return list(vocab.tokenize(text.encode(), add_bos=False, special=False))
+
+    sizes = bench.SIZES
+    assert sizes.doc_questions >= 4
+    doc = bench.document(tokenize, 0)
+    assert sizes.doc_tokens <= len(tokenize(doc)) <= sizes.doc_tokens + 40
+    prompts = [tokenize(bench.question_prompt(doc, q)) for q in range(sizes.doc_questions)]
+    assert len(set(map(tuple, prompts))) == len(prompts)
+    for before, after in itertools.pairwise(prompts):
+        shared = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+        assert 10 <= len(after) - shared <= 20, len(after) - shared
+    chats = [bench.question_messages(doc, q) for q in range(sizes.doc_questions)]
+    assert {c[0]["content"] for c in chats} == {doc}  # the document is the system prompt
+    assert len({c[1]["content"] for c in chats}) == len(chats)
+
+    requests = bench.restart_requests()
+    assert [chr(ord("A") + d) for d, _ in requests] == list(sizes.restart_order)
+    assert sizes.restart_order.startswith("ABBA")
+    assert len(set(requests)) == len(requests)  # every request a new question
+    first = set(bench.restart_warmup())
+    assert {d for d, _ in first} == {d for d, _ in requests} == set(range(sizes.restart_docs))
+    assert not first & set(requests)  # the new process asks what the first did not
+    assert set(bench.RESTART_WORKLOADS) <= set(bench.WORKLOADS)
+
+
 def test_rounds_run_every_mode_back_to_back_in_a_rotated_order() -> None:
     bench = _bench()
     cases = bench.CASES
@@ -65,9 +102,11 @@ def test_rounds_run_every_mode_back_to_back_in_a_rotated_order() -> None:
     assert [bench.round_order(r)[0] for r in range(len(bench.MODES))] == list(bench.MODES)
 
 
-def _row(round_index: int, mode: str, request_s: list[float], cpu_s: float) -> dict[str, Any]:
+def _row(
+    round_index: int, mode: str, request_s: list[float], cpu_s: float, workload: str = "chat"
+) -> dict[str, Any]:
     return {
-        "workload": "chat",
+        "workload": workload,
         "round": round_index,
         "mode": mode,
         "total_s": sum(request_s),
@@ -99,3 +138,25 @@ def test_table_pairs_each_round_with_plains_same_round() -> None:
     wall = table.wall_table(rounds)
     assert "| chat | skippy | 2 | 2.75 s | **1.10×** (1.10–1.10) | 1.10× |" in wall
     assert "| chat | skippy | 4.60 s | **1.15×** (1.10–1.20) |" in table.cpu_table(rounds)
+
+
+def test_ttft_and_readme_rows_pair_each_round_with_plains() -> None:
+    table = overhead_table
+    rows = []
+    for r, slow in ((0, 1.0), (1, 2.0)):  # the machine halves its speed in round 1
+        for mode, ratio in (("plain", 1.0), ("skippy", 1.04), ("skippy_l3", 0.5)):
+            row = _row(r, mode, [slow * ratio, slow * ratio], 1.0, workload="doc_questions")
+            row["ttft_s"] = [slow * ratio * 0.1, slow * ratio * 0.2]
+            rows.append(row)
+    rows.append(_row(0, "skippy", [1.0, 1.0], 1.0))  # not streamed: no TTFT row
+    rows.append(_row(0, "plain", [1.0, 1.0], 1.0))
+    rounds = table.by_round(rows)
+    ttft = table.ttft_table(rounds)
+    assert "| doc_questions | skippy | 0.468 s | **1.04×** (1.04–1.04) |" in ttft
+    assert "| doc_questions | skippy_l3 | 0.225 s | **0.50×** (0.50–0.50) |" in ttft
+    assert "| chat |" not in ttft
+    (row,) = table.readme_rows(rounds, "benchmarks/results/x.json")
+    assert row.startswith("| same document, next question as completions: TTFT / total vs ")
+    assert "(defaults / L3 on), median of 2 rounds" in row
+    assert "**1.04× / 1.04×; 0.50× / 0.50×**, last requests 1.04× / 1.04×; 0.50× / 0.50×" in row
+    assert "([result](benchmarks/results/x.json))" in row

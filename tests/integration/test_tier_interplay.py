@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import Settings
 from skippy_llama.costs import AlwaysRestore
-from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.runtime.llama import DEFER_RECORD_TOKENS, SkippyLlama
+from skippy_llama.tiers.l3.tier import DiskTier
+from skippy_llama.tiers.records import PrefixRecord
 
 pytestmark = pytest.mark.model
 
@@ -122,3 +126,111 @@ def test_a_repeated_prompt_gets_cold_logits_from_every_tier(
     assert cached1 == cached2 == aligned(again, len(tokens) - 2)
     for logits in (logits0, logits1, logits2):
         assert (logits == cold).all()
+
+
+def _held_writer(llm: SkippyLlama) -> tuple[threading.Event, DiskTier]:
+    """Hold ``llm``'s L3 writer inside the first record it takes until the event is set."""
+    disk = llm.prefix_cache.disk
+    assert disk is not None
+    gate = threading.Event()
+    real_write = disk._writer._write
+    first: list[PrefixRecord] = []
+
+    def held(rec: PrefixRecord) -> None:
+        if not first:
+            first.append(rec)
+            gate.wait(30)
+        real_write(rec)
+
+    disk._writer._write = held
+    return gate, disk
+
+
+@pytest.mark.parametrize(
+    ("race", "defer"), [("waiting", False), ("waiting", True), ("writing", False)]
+)
+def test_a_prefix_in_flight_to_l3_is_a_hit_with_cold_outputs(
+    tmp_path: Path, smollm2_path: Path, race: str, defer: bool
+) -> None:
+    """Issue 42: documents A, B, B, A with the prefix of A out of L1 (L1 off) while its L3
+    record has not been written: A is served from L3, from the record's capture while it waits
+    (``waiting``; also when records wait on the sequence as on GPU builds, ``defer``) or once
+    the write the lookup raced ends (``writing``), with the outputs of a cold prefill."""
+    from llama_cpp import Llama
+
+    doc_a = TEXT + " Question: how many steps are there?"
+    doc_b = "Ships and harbours: " + TEXT[::-1][:700] + " Question: what is reversed?"
+    other = "A short note on lanterns and the sea, " * 8
+    prompts = [doc_a, doc_b, doc_b, doc_a]
+    plain = Llama(str(smollm2_path), n_ctx=1024, verbose=False)
+    try:
+        cold = []
+        for prompt in prompts:
+            plain.reset()
+            cold.append(plain.create_completion(prompt, max_tokens=8, temperature=0.0))
+    finally:
+        plain.close()
+
+    l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"}
+    settings = Settings(l3=l3, l2={"budget": "256MiB"}, l1={"enabled": False})
+    llm = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=1024,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=AlwaysRestore(),  # a GPU build's costs may serve these short prompts cold
+    )
+    llm.defer_record_tokens = DEFER_RECORD_TOKENS if defer else 0
+    gate, disk = _held_writer(llm)
+    writer = disk._writer
+    if race == "writing":
+        # A's record is the one held; the lookup of the second A lets it go once it waits
+        real_wait = writer.wait_written
+
+        def wait_written(keys: Any, timeout: float = 5.0) -> bool:
+            if writer._writing(keys):
+                threading.Timer(0.2, gate.set).start()
+            return real_wait(keys, timeout)
+
+        writer.wait_written = wait_written  # type: ignore[method-assign]
+    try:
+        if race == "waiting":
+            # the writer is held inside another record, so A's waits in the queue behind it
+            # (a waiting record of it is made when A takes the sequence)
+            llm.create_completion(other, max_tokens=2, temperature=0.0)
+        replies, tiers = [], []
+        for prompt in prompts:
+            replies.append(llm.create_completion(prompt, max_tokens=8, temperature=0.0))
+            event = llm.last_cache_event
+            assert event is not None
+            tiers.append((event.tier, event.fallbacks))
+        read = disk.status().process_activity
+        held = gate.is_set()
+        gate.set()
+        assert llm.flush_cache(30)
+    finally:
+        gate.set()
+        llm.close()
+    assert tiers[3] == ("l3", [])
+    if race == "waiting":
+        assert not held and read.pages_read_in_flight > 0  # made from the waiting record
+    else:
+        assert held and read.pages_read_in_flight == 0  # read from the store once written
+    for got, want in zip(replies, cold, strict=True):
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+    # and the record the lookup raced was written as usual: a new process finds A in L3
+    again = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=1024,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=AlwaysRestore(),
+    )
+    try:
+        reply = again.create_completion(doc_a, max_tokens=8, temperature=0.0)
+        event = again.last_cache_event
+    finally:
+        again.close()
+    assert event is not None and event.tier == "l3"
+    assert reply["choices"][0]["text"] == cold[0]["choices"][0]["text"]

@@ -765,6 +765,92 @@ def test_a_pending_page_of_the_wrong_size_is_a_bug_never_stored(store_dir: Path)
         tier.close()
 
 
+def _blocked_writer(tier: DiskTier) -> threading.Event:
+    """Hold the writer thread inside its next write until the returned event is set."""
+    gate = threading.Event()
+    real_write = tier._writer._write
+
+    def slow_write(rec: PrefixRecord) -> None:
+        gate.wait(10)
+        real_write(rec)
+
+    tier._writer._write = slow_write
+    return gate
+
+
+def _taken(tier: DiskTier, key: bytes, timeout: float = 10.0) -> None:
+    """Wait until the writer thread has taken the record holding ``key``."""
+    deadline = time.monotonic() + timeout
+    while not tier._writer._writing([key]):
+        assert time.monotonic() < deadline, "the writer did not take the record"
+        time.sleep(0.01)
+
+
+def test_a_page_waiting_for_the_writer_is_held_and_served_from_its_capture(
+    open_tier: Any,
+) -> None:
+    tier = open_tier()
+    stored = chain(["doc"])
+    record_now(tier, stored)
+    gate = _blocked_writer(tier)
+    try:
+        assert tier.record(chain(["other"]))  # the writer is held inside this one
+        capture = Capture()
+        rec = capture.pending(chain(["doc", "question"]))
+        assert tier.record(rec)  # waits in the queue behind it
+        key = rec.pages[1].key
+        # the planner's lookup (queued=False) finds the page, as a child and by key
+        assert tier.holds(key, queued=False)
+        assert (key, rec.pages[1].tokens) in tier.children(stored.pages[0].key, queued=False)
+        got = tier.fetch(keys_of(rec))  # a stored page, then one made from the capture
+        assert [bytes(g) for g in got] == [p.data for p in chain(["doc", "question"]).pages]
+        assert capture.made == [threading.current_thread().name]  # only the waiting page
+        assert capture.released == 0  # still the writer's
+        activity = tier.status().process_activity
+        assert (activity.hits, activity.pages_read, activity.pages_read_in_flight) == (1, 2, 1)
+    finally:
+        gate.set()
+    assert tier.flush(10)
+    assert capture.released == 1
+    assert len(tier.read(keys_of(rec))) == 2  # written as usual
+
+
+def test_a_lookup_racing_a_write_waits_for_it_and_reads_the_store(open_tier: Any) -> None:
+    tier = open_tier()
+    gate = _blocked_writer(tier)
+    capture = Capture()
+    rec = capture.pending(chain(["doc", "question"]))
+    assert tier.record(rec)
+    _taken(tier, rec.pages[0].key)  # being written: its capture may go at any moment
+    assert tier.holds(rec.pages[0].key)
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    started = time.monotonic()
+    got = tier.fetch(keys_of(rec))
+    waited = time.monotonic() - started
+    opener.join()
+    assert [bytes(g) for g in got] == [p.data for p in chain(["doc", "question"]).pages]
+    assert waited >= 0.2  # it waited for the write rather than missing
+    assert capture.made == ["skippy-l3-writer"] * 2  # never read from the capture meanwhile
+    activity = tier.status().process_activity
+    assert (activity.hits, activity.misses, activity.pages_read_in_flight) == (1, 0, 0)
+
+
+def test_a_write_that_never_ends_is_waited_for_only_so_long(open_tier: Any) -> None:
+    tier = open_tier()
+    gate = _blocked_writer(tier)
+    try:
+        rec = chain(["doc"])
+        assert tier.record(rec)
+        _taken(tier, rec.pages[0].key)
+        started = time.monotonic()
+        assert tier._writer.wait_written(keys_of(rec), timeout=0.2) is False
+        assert 0.2 <= time.monotonic() - started < 2
+    finally:
+        gate.set()
+    assert tier.flush(10)
+
+
 class _BrokenStore(DiskStore):
     """Stands in for the store when the disk fails: every store call raises EIO."""
 

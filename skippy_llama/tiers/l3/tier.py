@@ -256,9 +256,10 @@ class DiskTier:
             return False
 
     def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
-        """Pages stored after node ``parent``: ``(page key, tokens as int32 bytes)``; a damaged
-        or unauthentic index answers nothing. With ``queued``, also pages waiting to be written.
-        """
+        """Pages after node ``parent``: ``(page key, tokens as int32 bytes)``, stored or of
+        records waiting for the writer, whatever ``queued`` says (:meth:`fetch` serves both:
+        a lookup racing a write must find the pages). A damaged or unauthentic index answers
+        nothing."""
         if not self.serving:
             return []
         try:
@@ -266,10 +267,8 @@ class DiskTier:
         except Exception as exc:
             self._parts.health.fault(exc, "children")
             out = []
-        if queued:
-            known = {key for key, _ in out}
-            out += [kt for kt in self._writer.queued_children(parent) if kt[0] not in known]
-        return out
+        known = {key for key, _ in out}
+        return out + [kt for kt in self._writer.queued_children(parent) if kt[0] not in known]
 
     def _meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
         return self._reader.meta_field(key, where) if self.serving else None
@@ -289,9 +288,9 @@ class DiskTier:
         self._parts.counters.add("misses")
 
     def read(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
-        """Decoded pages of the longest prefix of ``keys`` that exists and verifies (see
+        """Decoded pages of the longest prefix of ``keys`` that is stored and verifies (see
         ``reader.py`` for what happens to a page that does not, and how long a view stays
-        valid). Never raises."""
+        valid); :meth:`fetch` also serves pages still waiting for the writer. Never raises."""
         return self._read(keys).pages
 
     def read_with_digests(self, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
@@ -301,29 +300,69 @@ class DiskTier:
         return [(page, meta.digest) for page, meta in zip(result.pages, result.metas, strict=False)]
 
     def _read(self, keys: Sequence[bytes]) -> ReadResult:
-        counters = self._parts.counters
-        if not self.serving or not keys:
-            counters.add("misses")
-            return ReadResult([], [])
-        result = self._reader.read(keys)
-        if not result.pages:
-            counters.add("misses")
-            return ReadResult([], [])
-        self._parts.health.ok()
-        counters.add("hits")
-        counters.add("pages_read", len(result.pages))
-        counters.add("bytes_read", sum(m.size for m in result.metas))
-        if self._parts.rw_ok:
-            self._writer.start()  # stores the hits
+        result = self._stored(keys)
+        self._count_read(len(result.pages), sum(m.size for m in result.metas))
         return result
 
+    def _stored(self, keys: Sequence[bytes]) -> ReadResult:
+        """The stored prefix of ``keys``, uncounted."""
+        if not self.serving or not keys:
+            return ReadResult([], [])
+        return self._reader.read(keys)
+
+    def _count_read(self, pages: int, n_bytes: int, in_flight: int = 0) -> None:
+        counters = self._parts.counters
+        if not pages:
+            counters.add("misses")
+            return
+        self._parts.health.ok()
+        counters.add("hits")
+        counters.add("pages_read", pages)
+        counters.add("bytes_read", n_bytes)
+        if in_flight:
+            counters.add("pages_read_in_flight", in_flight)
+        if self._parts.rw_ok:
+            self._writer.start()  # stores the hits
+
     def holds(self, key: bytes, *, queued: bool = False) -> bool:
-        """:meth:`contains` under the page-tier protocol's name."""
-        return self.contains(key, queued=queued)
+        """:meth:`contains` under the page-tier protocol's name; a page of a record waiting for
+        the writer is held whatever ``queued`` says (:meth:`fetch` serves it: a lookup racing a
+        write must find it)."""
+        return self.contains(key, queued=True)
 
     def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
-        """:meth:`read` under the page-tier protocol's name."""
-        return self.read(keys)
+        """Pages of the longest prefix of ``keys`` held: stored ones as :meth:`read` serves
+        them, then those of records still waiting for the writer, made from the capture they
+        will be cut from (exact bytes, checked against the size their record announced). A
+        page whose record the writer is writing is read once the write ends. So a prefix in
+        flight between the request path and the disk stays servable: a lookup racing a write
+        is a hit. Never raises."""
+        writer = self._writer
+        if self.serving and keys:
+            writer.wait_written(keys)
+        result = self._stored(keys)
+        pages: list[bytes | memoryview] = list(result.pages)
+        n_bytes = sum(m.size for m in result.metas)
+        in_flight = 0
+        for _ in range(2):
+            if len(pages) == len(keys) or not self.serving:
+                break
+            made, busy = writer.read_waiting(keys[len(pages) :])
+            pages += made
+            in_flight += len(made)
+            n_bytes += sum(len(page) for page in made)
+            if not busy:
+                break
+            # the writer took the record since the store was read: read the rest once written
+            # (the next read reuses this thread's buffer, so the views read so far are copied)
+            pages = [page if isinstance(page, bytes) else bytes(page) for page in pages]
+            rest = keys[len(pages) :]
+            writer.wait_written(rest)
+            more = self._stored(rest)
+            pages += more.pages
+            n_bytes += sum(m.size for m in more.metas)
+        self._count_read(len(pages), n_bytes, in_flight)
+        return pages
 
     def offer(self, record: PrefixRecord) -> bool:
         """:meth:`record` under the page-tier protocol's name."""

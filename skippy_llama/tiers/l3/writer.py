@@ -7,6 +7,13 @@ releases the capture buffer back to the runtime. While a record waits, its new p
 visible to planning (:meth:`Writer.queued` / :meth:`Writer.queued_children`), so a record planned
 right after another reuses its pages instead of writing the shared tokens again.
 
+A page in flight stays servable (SGLang HiCache's rule: a prefix leaving the faster tier is
+readable until its copy in the slower one is written). While its record waits in the queue, the
+page is made from the capture it would be cut from (:meth:`Writer.read_waiting`, under the lock
+the writer takes a record with, so the capture is never released mid-read); once the writer has
+taken the record, a lookup waits for the write to end (:meth:`Writer.wait_written`) and reads
+the store. So a lookup racing a write is a hit, never a cold prefill.
+
 When idle the thread runs the tier's housekeeping (storing hits and counters, a batch of
 reconciliation). A storage fault while writing drops the record and is counted; an exception of
 any other kind is a bug and is logged as an error (``health.fault`` tells them apart).
@@ -20,10 +27,10 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from ..records import PrefixRecord
+from ..records import PageBlob, PrefixRecord
 from .context import Parts
 
 GiB = 1 << 30
@@ -34,6 +41,20 @@ IDLE_POLL_S = 0.25
 #: The pause between two batches of a housekeeping job that has more to do (a reconciliation
 #: walk): short, so a 50k-page walk ends in seconds, but a pause, so queued records go first.
 BUSY_POLL_S = 0.005
+#: The longest a lookup waits for the write of a record it needs (:meth:`Writer.wait_written`):
+#: a write that takes longer (a store lock held by another process) is left, and the pages it
+#: would have served are a miss.
+WRITE_WAIT_S = 5.0
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A record in the queue; ``taken`` once the writer thread started writing it (from then on
+    its capture may be released at any moment and is never read here)."""
+
+    rec: PrefixRecord
+    taken: bool = False
+    new: dict[bytes, PageBlob] = field(default_factory=dict)  # its new pages by key
 
 
 def lower_thread_priority(nice: int) -> bool:
@@ -71,12 +92,11 @@ class Writer:
         self._idle = idle
         self._max_bytes = max_queued_bytes
         # None is the stop signal (stop() wakes the writer instead of waiting for its poll)
-        self._queue: queue.Queue[PrefixRecord | None] = queue.Queue(
-            maxsize=parts.settings.writer_queue
-        )
+        self._queue: queue.Queue[_Queued | None] = queue.Queue(maxsize=parts.settings.writer_queue)
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # notified as each record leaves
         self._bytes = 0
-        self._pages: Counter[bytes] = Counter()  # new pages of queued records -> records
+        self._pages: dict[bytes, list[_Queued]] = {}  # new pages of queued records -> records
         self._kids: dict[bytes, dict[bytes, bytes]] = {}  # their child index
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -84,11 +104,12 @@ class Writer:
     def record(self, rec: PrefixRecord) -> bool:
         """Queue ``rec``; False (counted) when the queue or its byte bound is full."""
         size = rec.payload_bytes
+        item = _Queued(rec, new={p.key: p for p in rec.pages if p.payload is not None})
         with self._lock:
             full = self._bytes + size > self._max_bytes
             if not full:
                 try:
-                    self._queue.put_nowait(rec)
+                    self._queue.put_nowait(item)
                 except queue.Full:
                     full = True
             if full:
@@ -97,10 +118,9 @@ class Writer:
                 self.parts.counters.add("dropped_queue_full")
                 return False
             self._bytes += size
-            for page in rec.pages:
-                if page.payload is not None:
-                    self._pages[page.key] += 1
-                    self._kids.setdefault(page.parent, {})[page.key] = page.tokens
+            for page in item.new.values():
+                self._pages.setdefault(page.key, []).append(item)
+                self._kids.setdefault(page.parent, {})[page.key] = page.tokens
         self.start()
         return True
 
@@ -112,19 +132,66 @@ class Writer:
         with self._lock:
             return list(self._kids.get(parent, {}).items())
 
-    def _unqueue(self, rec: PrefixRecord) -> None:
+    def read_waiting(self, keys: Sequence[bytes]) -> tuple[list[bytes], bool]:
+        """The bytes of the leading ``keys`` that are new pages of records still waiting in the
+        queue, made from their captures; and whether the next key belongs to a record the
+        writer is writing now (:meth:`wait_written` for it, then read the store). A page that
+        cannot be made at its announced size (a bug in the cutting, logged) ends the prefix.
+        """
+        out: list[bytes] = []
+        with self._lock:  # the writer takes a record under this lock: no capture is released
+            for key in keys:
+                holders = self._pages.get(key)
+                if not holders:
+                    return out, False
+                waiting = next((q for q in holders if not q.taken), None)
+                if waiting is None:
+                    return out, True
+                try:
+                    out.append(waiting.new[key].data)
+                except ValueError as exc:
+                    self.parts.health.fault(exc, "read")
+                    return out, False
+        return out, False
+
+    def _writing(self, keys: Sequence[bytes]) -> bool:
+        """Whether a page of ``keys`` is new only in records the writer has taken (lock held)."""
+        return any(
+            holders and all(q.taken for q in holders)
+            for holders in (self._pages.get(key) for key in keys)
+        )
+
+    def wait_written(self, keys: Sequence[bytes], timeout: float = WRITE_WAIT_S) -> bool:
+        """Wait until no page of ``keys`` is only in a record being written; False on timeout
+        (or when the thread is gone)."""
+        deadline = time.monotonic() + timeout
+        with self._written:
+            while self._writing(keys):
+                remaining = deadline - time.monotonic()
+                thread = self._thread
+                if remaining <= 0 or thread is None or not thread.is_alive():
+                    return False
+                self._written.wait(min(remaining, 0.1))
+        return True
+
+    def _take(self, item: _Queued) -> None:
         with self._lock:
-            self._bytes -= rec.payload_bytes
-            for page in rec.pages:
-                if page.payload is None:
-                    continue
-                self._pages[page.key] -= 1
-                if self._pages[page.key] <= 0:
-                    del self._pages[page.key]
+            item.taken = True
+
+    def _unqueue(self, item: _Queued) -> None:
+        with self._written:
+            self._bytes -= item.rec.payload_bytes
+            for page in item.new.values():
+                holders = self._pages.get(page.key, [])
+                if item in holders:
+                    holders.remove(item)
+                if not holders:
+                    self._pages.pop(page.key, None)
                     kids = self._kids.get(page.parent, {})
                     kids.pop(page.key, None)
                     if not kids:
                         self._kids.pop(page.parent, None)
+            self._written.notify_all()
 
     def start(self) -> None:
         """Start the thread (idempotent; not after :meth:`stop`)."""
@@ -142,21 +209,22 @@ class Writer:
         busy = False
         while not self._stop.is_set():
             try:
-                rec = self._queue.get(timeout=BUSY_POLL_S if busy else IDLE_POLL_S)
+                item = self._queue.get(timeout=BUSY_POLL_S if busy else IDLE_POLL_S)
             except queue.Empty:
                 busy = self._housekeeping()
                 continue
-            if rec is None:
+            if item is None:
                 self._queue.task_done()
                 break
+            self._take(item)  # before cutting: lookups stop reading its capture
             try:
-                self._write(rec)
+                self._write(item.rec)
             except Exception as exc:  # the thread must not die; bugs are logged as errors
                 self.parts.health.fault(exc, "record")
                 self.parts.counters.add("dropped_writes")
             finally:
-                rec.drop()  # the capture's buffer, where the write stopped before cutting
-                self._unqueue(rec)
+                item.rec.drop()  # the capture's buffer, where the write stopped before cutting
+                self._unqueue(item)
                 self._queue.task_done()
             busy = self._housekeeping()
 
