@@ -262,7 +262,8 @@ class Planner:
         if not tiers or limit - floor < 1:
             return best
         local = [t for t in tiers if not isinstance(t, RemotePageTier)]
-        path = walk(local, self.root, prompt.tokens, limit, self.page_tokens)
+        # pages still waiting to be written count: L3's fetch serves them (issue 42)
+        path = walk(local, self.root, prompt.tokens, limit, self.page_tokens, queued=True)
         path = self._remote_path(prompt, limit, max(path.n_tokens, floor), tiers) or path
         usable = prompt.aligned(path.n_tokens)
         if usable <= floor:
@@ -277,7 +278,7 @@ class Planner:
         sources = [
             by_name[s.holder]
             if s.holder in by_name
-            else next((t for t in local if t.holds(s.key)), far)
+            else next((t for t in local if t.holds(s.key, queued=True)), far)
             for s in path.steps
         ]
         deepest = max(sources, key=tiers.index).name

@@ -6,6 +6,7 @@ reuses the tokens before the branch and records only its own; nothing is stored 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,32 @@ def test_a_record_planned_while_the_previous_one_is_queued_reuses_its_pages(
     assert disk.flush(10)
     assert stored_pages(cache) == 4 and disk.status().process_activity.dropped_writes == 0
     assert served(cache, b, 318) == (318, (128, 128, 24, 38))
+
+
+def test_a_prefix_whose_record_waits_for_the_writer_is_planned_and_served(
+    cache: PrefixCache,
+) -> None:
+    """Issue 42: a lookup racing the record of its prefix is a hit, with the exact bytes."""
+    disk = cache.disk
+    assert disk is not None
+    gate = threading.Event()
+    real_write = disk._writer._write
+    disk._writer._write = lambda rec: (gate.wait(10), real_write(rec))  # type: ignore[func-returns-value]
+    try:
+        other = prompt(0, 200, seed=7)
+        plan = cache.plan_record(other, len(other))
+        assert plan is not None and cache.record(plan, STATE, other)  # held in the writer
+        a = prompt(300, 300, seed=1)
+        plan = cache.plan_record(a, len(a))
+        assert plan is not None and cache.record(plan, STATE, a)  # waits behind it
+        assert stored_pages(cache) == 0
+        assert served(cache, a, 298) == (298, (128, 128, 42))  # the bytes are checked there
+        assert cache.counters.hits["l3"] == 1
+        assert disk.status().process_activity.pages_read_in_flight == 3
+    finally:
+        gate.set()
+    assert disk.flush(10)
+    assert stored_pages(cache) == 5
 
 
 def test_a_plan_cut_to_fewer_tokens_keeps_whole_pages_then_a_head() -> None:

@@ -799,9 +799,9 @@ def test_a_page_waiting_for_the_writer_is_held_and_served_from_its_capture(
         rec = capture.pending(chain(["doc", "question"]))
         assert tier.record(rec)  # waits in the queue behind it
         key = rec.pages[1].key
-        # the planner's lookup (queued=False) finds the page, as a child and by key
-        assert tier.holds(key, queued=False)
-        assert (key, rec.pages[1].tokens) in tier.children(stored.pages[0].key, queued=False)
+        # the planner's lookup finds the page, as a child and by key; the index on disk not
+        assert tier.holds(key, queued=True) and not tier.holds(key)
+        assert (key, rec.pages[1].tokens) in tier.children(stored.pages[0].key, queued=True)
         got = tier.fetch(keys_of(rec))  # a stored page, then one made from the capture
         assert [bytes(g) for g in got] == [p.data for p in chain(["doc", "question"]).pages]
         assert capture.made == [threading.current_thread().name]  # only the waiting page
@@ -822,7 +822,7 @@ def test_a_lookup_racing_a_write_waits_for_it_and_reads_the_store(open_tier: Any
     rec = capture.pending(chain(["doc", "question"]))
     assert tier.record(rec)
     _taken(tier, rec.pages[0].key)  # being written: its capture may go at any moment
-    assert tier.holds(rec.pages[0].key)
+    assert tier.holds(rec.pages[0].key, queued=True)
     opener = threading.Timer(0.3, gate.set)
     opener.start()
     started = time.monotonic()

@@ -256,10 +256,10 @@ class DiskTier:
             return False
 
     def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
-        """Pages after node ``parent``: ``(page key, tokens as int32 bytes)``, stored or of
-        records waiting for the writer, whatever ``queued`` says (:meth:`fetch` serves both:
-        a lookup racing a write must find the pages). A damaged or unauthentic index answers
-        nothing."""
+        """Pages stored after node ``parent``: ``(page key, tokens as int32 bytes)``; a damaged
+        or unauthentic index answers nothing. With ``queued``, also pages waiting to be written
+        (:meth:`fetch` serves them).
+        """
         if not self.serving:
             return []
         try:
@@ -267,8 +267,10 @@ class DiskTier:
         except Exception as exc:
             self._parts.health.fault(exc, "children")
             out = []
-        known = {key for key, _ in out}
-        return out + [kt for kt in self._writer.queued_children(parent) if kt[0] not in known]
+        if queued:
+            known = {key for key, _ in out}
+            out += [kt for kt in self._writer.queued_children(parent) if kt[0] not in known]
+        return out
 
     def _meta_field(self, key: bytes, where: str) -> tuple[bytes, int] | None:
         return self._reader.meta_field(key, where) if self.serving else None
@@ -325,10 +327,9 @@ class DiskTier:
             self._writer.start()  # stores the hits
 
     def holds(self, key: bytes, *, queued: bool = False) -> bool:
-        """:meth:`contains` under the page-tier protocol's name; a page of a record waiting for
-        the writer is held whatever ``queued`` says (:meth:`fetch` serves it: a lookup racing a
-        write must find it)."""
-        return self.contains(key, queued=True)
+        """:meth:`contains` under the page-tier protocol's name (with ``queued``, a page of a
+        record waiting for the writer is held: :meth:`fetch` serves it)."""
+        return self.contains(key, queued=queued)
 
     def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
         """Pages of the longest prefix of ``keys`` held: stored ones as :meth:`read` serves
