@@ -211,7 +211,8 @@ def readme_rows(rounds: Rounds, result: str) -> list[str]:
         names = " / ".join(name for _, name in found)
         rounds_n = len(rounds[(workload, "plain")])
         rows.append(
-            f"| {what}: TTFT / total vs plain `Llama` ({names}), median of {rounds_n} rounds "
+            f"| {what}: TTFT / total vs plain `Llama` ({names}), median of {rounds_n} "
+            f"round{'s' if rounds_n != 1 else ''} "
             f"| **{every}**, last requests {last}, replies equal "
             f"| [`bench_overhead.py`](benchmarks/bench_overhead.py) ([result]({result})) |"
         )

@@ -139,7 +139,7 @@ def _held_writer(llm: SkippyLlama) -> tuple[threading.Event, DiskTier]:
     def held(rec: PrefixRecord) -> None:
         if not first:
             first.append(rec)
-            gate.wait(30)
+            gate.wait(600)  # set by the test; the bound only keeps a failing test finite
         real_write(rec)
 
     disk._writer._write = held
