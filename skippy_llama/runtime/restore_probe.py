@@ -1,0 +1,271 @@
+"""Probe: is a whole-sequence state restore exact for models whose memory is not per token?
+
+For a recurrent or hybrid model (Mamba2, Gated DeltaNet, short-convolution layers beside
+attention) a prefix can be restored only where its whole per-sequence state was captured: a
+*restore point* (issue 46, DESIGN.md section 13). This probe decodes a prompt of ``p`` tokens in
+sequence 0, captures the sequence (``llama_state_seq_get_data``), clears the memory, restores the
+capture (``llama_state_seq_set_data``) and decodes a suffix, then compares the suffix's logits
+bit for bit with
+
+- a cold prefill of prompt + suffix in one batch (what plain ``Llama`` computes), and
+- the same split without the restore (prompt, then suffix: only the restore differs).
+
+It repeats that with the prompt prefilled in chunks ending at ``p``, and with a device
+checkpoint (``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``, the L1 mechanism of DESIGN.md section 11)
+instead of a host blob. Uses llama.cpp's C API directly on its own model and context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import TierError
+from . import native
+
+#: The sequence the probe decodes in, and the slot its device checkpoints use.
+_SEQ, _SLOT = 0, 1
+N_SEQ = 2
+
+
+@dataclass
+class PointResult:
+    """Exactness at one prompt end ``p`` (each ``*_exact``: every suffix logit bit-identical)."""
+
+    prompt_tokens: int
+    suffix_tokens: int
+    #: cold prompt-then-suffix (no restore) equals cold prompt+suffix in one batch
+    split_exact: bool
+    #: host-blob restore at p + suffix equals the one-batch cold prefill
+    restore_exact: bool
+    #: host-blob restore at p + suffix equals the same split without a restore
+    restore_matches_split: bool
+    #: as ``restore_exact``, the prompt prefilled in chunks of ``chunk`` tokens ending at p
+    chunked_restore_exact: bool
+    #: device checkpoint (ON_DEVICE) restore + suffix equals the one-batch cold prefill, or why not
+    device_checkpoint: str
+    #: largest |difference| of the host-blob restore's logits from the one-batch cold ones
+    max_abs_diff: float
+    state_bytes: int
+
+
+@dataclass
+class ProbeReport:
+    """What :func:`probe_restore_points` found for one model file."""
+
+    model: str
+    architecture: str
+    recurrent: bool
+    hybrid: bool
+    n_vocab: int
+    #: whole-sequence state bytes of an empty-ish sequence (1 token) and growth per token
+    state_bytes_1: int
+    state_bytes_per_token: float
+    chunk: int
+    flash_attn: bool
+    points: list[PointResult] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """Whether a host-blob restore was exact at every probed prompt end."""
+        return all(p.restore_exact and p.chunked_restore_exact for p in self.points)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["exact"] = self.exact
+        return out
+
+
+class _Probe:
+    """A model and a two-sequence context of llama.cpp's C API, freed by :meth:`close`."""
+
+    def __init__(self, path: str, n_ctx: int, n_threads: int, flash_attn: bool) -> None:
+        mparams = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise TierError(f"could not load {path}")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_ctx
+        cparams.n_ubatch = n_ctx
+        cparams.n_seq_max = N_SEQ
+        cparams.kv_unified = True
+        cparams.n_threads = cparams.n_threads_batch = n_threads
+        # llama.cpp's default (auto) turns flash attention on where plain Llama turns it off
+        cparams.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise TierError(f"could not create a context for {path}")
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self.batch = llama_cpp.llama_batch_init(n_ctx, 0, 1)
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(native.memory(self.ctx), True)
+
+    def decode(self, tokens: Sequence[int], start: int, outputs_from: int) -> None:
+        """Decode ``tokens`` at positions ``start..`` in one batch; logits for positions
+        ``>= outputs_from``."""
+        b = self.batch
+        for i, token in enumerate(tokens):
+            b.token[i] = token
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = _SEQ
+            b.logits[i] = start + i >= outputs_from
+        b.n_tokens = len(tokens)
+        rc = int(llama_cpp.llama_decode(self.ctx, b))
+        if rc != 0:
+            raise TierError(f"llama_decode returned {rc}")
+
+    def logits(self, n: int) -> npt.NDArray[np.float32]:
+        """The last ``n`` output rows of the last decode."""
+        rows = [
+            np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(self.ctx, i - n), shape=(self.n_vocab,)
+            ).copy()
+            for i in range(n)
+        ]
+        return np.stack(rows)
+
+    def prefill(self, tokens: Sequence[int], chunk: int | None = None) -> None:
+        """Clear, then decode ``tokens`` from position 0 in chunks of ``chunk`` (one batch when
+        None); no logits are asked for."""
+        self.clear()
+        step = chunk or len(tokens)
+        for start in range(0, len(tokens), step):
+            self.decode(tokens[start : start + step], start, len(tokens))
+
+    def state(self) -> bytes:
+        return bytes(native.get_seq_state(self.ctx, _SEQ))
+
+    def restore(self, blob: bytes) -> None:
+        self.clear()
+        buf = bytearray(blob)
+        if not native.set_seq_state(self.ctx, buf, _SEQ):
+            raise TierError("llama_state_seq_set_data refused the capture")
+
+
+@contextmanager
+def _opened(path: str, n_ctx: int, n_threads: int, flash_attn: bool = False) -> Iterator[_Probe]:
+    probe = _Probe(path, n_ctx, n_threads, flash_attn)
+    try:
+        yield probe
+    finally:
+        probe.close()
+
+
+def probe_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    """``n`` random ordinary token ids (above the three control tokens)."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, n_vocab, size=n)]
+
+
+def _point(probe: _Probe, tokens: list[int], p: int, chunk: int) -> PointResult:
+    n = len(tokens)
+    suffix = tokens[p:]
+    # cold: the whole prompt in one batch, logits for the suffix's positions
+    probe.clear()
+    probe.decode(tokens, 0, p)
+    cold = probe.logits(n - p)
+    # the same split without a restore
+    probe.prefill(tokens[:p])
+    probe.decode(suffix, p, p)
+    split = probe.logits(n - p)
+    # host blob: capture at p, clear, restore, decode the suffix
+    probe.prefill(tokens[:p])
+    blob = probe.state()
+    probe.restore(blob)
+    probe.decode(suffix, p, p)
+    restored = probe.logits(n - p)
+    # chunks ending at p
+    probe.prefill(tokens[:p], chunk)
+    probe.restore(probe.state())
+    probe.decode(suffix, p, p)
+    chunked = probe.logits(n - p)
+    return PointResult(
+        prompt_tokens=p,
+        suffix_tokens=n - p,
+        split_exact=bool(np.array_equal(split, cold)),
+        restore_exact=bool(np.array_equal(restored, cold)),
+        restore_matches_split=bool(np.array_equal(restored, split)),
+        chunked_restore_exact=bool(np.array_equal(chunked, cold)),
+        device_checkpoint=_device_checkpoint(probe, tokens, p, cold),
+        max_abs_diff=float(np.max(np.abs(restored - cold))),
+        state_bytes=len(blob),
+    )
+
+
+def _device_checkpoint(
+    probe: _Probe, tokens: list[int], p: int, cold: npt.NDArray[np.float32]
+) -> str:
+    """Checkpoint sequence 0 at p into the slot as L1 does, clear, restore, decode the suffix."""
+    probe.prefill(tokens[:p])
+    try:
+        meta = native.checkpoint(probe.ctx, _SEQ, _SLOT, p, on_device=True)
+        probe.clear()
+        native.restore_checkpoint(probe.ctx, meta, _SEQ, on_device=True)
+        probe.decode(tokens[p:], p, p)
+    except TierError as exc:
+        return f"error: {exc}"
+    return "exact" if np.array_equal(probe.logits(len(tokens) - p), cold) else "differs"
+
+
+def probe_restore_points(
+    model_path: str | Path,
+    *,
+    prompt_ends: Sequence[int] = (1, 17, 64, 100),
+    suffix_tokens: int = 24,
+    chunk: int = 16,
+    n_threads: int = 1,
+    flash_attn: bool = False,
+    seed: int = 0,
+) -> ProbeReport:
+    """Probe restore exactness at each of ``prompt_ends`` (see the module docstring)."""
+    n = max(prompt_ends) + suffix_tokens
+    n_ctx = max(256, 1 << (n - 1).bit_length())
+    with _opened(str(model_path), n_ctx, n_threads, flash_attn) as probe:
+        arch = _metadata(probe.model, "general.architecture")
+        tokens = probe_tokens(n, probe.n_vocab, seed)
+        probe.prefill(tokens[:1])
+        one = len(probe.state())
+        probe.prefill(tokens[:65])
+        per_token = (len(probe.state()) - one) / 64
+        report = ProbeReport(
+            model=Path(model_path).name,
+            architecture=arch,
+            recurrent=bool(llama_cpp.llama_model_is_recurrent(probe.model)),
+            hybrid=bool(llama_cpp.llama_model_is_hybrid(probe.model)),
+            n_vocab=probe.n_vocab,
+            state_bytes_1=one,
+            state_bytes_per_token=per_token,
+            chunk=chunk,
+            flash_attn=flash_attn,
+        )
+        for p in prompt_ends:
+            report.points.append(_point(probe, tokens[: p + suffix_tokens], p, chunk))
+    return report
+
+
+def _metadata(model: Any, key: str) -> str:
+    buf = ctypes.create_string_buffer(256)
+    n = int(llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf)))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else "unknown"
