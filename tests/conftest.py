@@ -94,3 +94,14 @@ def always_restore() -> Any:
     from skippy_llama.costs import AlwaysRestore
 
     return AlwaysRestore()
+
+
+@pytest.fixture(scope="session")
+def synthetic_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight GGUFs of every recurrent/hybrid family of
+    ``skippy_llama.testing.synthetic`` (mamba2, qwen35, granitehybrid, lfm2), written once per
+    session into a temporary directory (they are never committed)."""
+    from skippy_llama.testing.synthetic import FAMILIES, write_model
+
+    root = tmp_path_factory.mktemp("synthetic")
+    return {family: write_model(root / f"{family}.gguf", family) for family in FAMILIES}

@@ -52,6 +52,9 @@ class PointResult:
     chunked_restore_exact: bool
     #: device checkpoint (ON_DEVICE) restore + suffix equals the one-batch cold prefill, or why not
     device_checkpoint: str
+    #: the control: a capture of another prompt, restored at p, changes the suffix's logits
+    #: (the comparisons can fail)
+    control_differs: bool
     #: largest |difference| of the host-blob restore's logits from the one-batch cold ones
     max_abs_diff: float
     state_bytes: int
@@ -201,6 +204,12 @@ def _point(probe: _Probe, tokens: list[int], p: int, chunk: int) -> PointResult:
     probe.restore(probe.state())
     probe.decode(suffix, p, p)
     chunked = probe.logits(n - p)
+    # the control: the capture of a prompt that differs in its first token
+    first = 3 + (tokens[0] - 3 + 1) % (probe.n_vocab - 3)  # another ordinary token
+    probe.prefill([first, *tokens[1:p]])
+    probe.restore(probe.state())
+    probe.decode(suffix, p, p)
+    other = probe.logits(n - p)
     return PointResult(
         prompt_tokens=p,
         suffix_tokens=n - p,
@@ -209,6 +218,7 @@ def _point(probe: _Probe, tokens: list[int], p: int, chunk: int) -> PointResult:
         restore_matches_split=bool(np.array_equal(restored, split)),
         chunked_restore_exact=bool(np.array_equal(chunked, cold)),
         device_checkpoint=_device_checkpoint(probe, tokens, p, cold),
+        control_differs=not np.array_equal(other, cold),
         max_abs_diff=float(np.max(np.abs(restored - cold))),
         state_bytes=len(blob),
     )

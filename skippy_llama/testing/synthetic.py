@@ -287,7 +287,9 @@ _WRITERS: dict[str, Callable[[gguf.GGUFWriter, _Weights, Shape], None]] = {
 }
 
 
-def write_model(path: str | Path, family: str, *, shape: Shape | None = None, seed: int = 0) -> Path:
+def write_model(
+    path: str | Path, family: str, *, shape: Shape | None = None, seed: int = 0
+) -> Path:
     """Write a synthetic GGUF of ``family`` (a key of :data:`FAMILIES`) to ``path``.
 
     The same family, shape and seed always give the same file.
