@@ -44,6 +44,7 @@ from .layout import read_layout, verdict
 from .prompt_tokens import completion_tokens
 from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder
 from .restore import restore_prefix
+from .restore_points import RestorePointPath, open_restore_points
 from .seam import KVSeam, backend_name
 from .status import cache_status
 from .timing import on_tokens
@@ -176,6 +177,11 @@ class SkippyLlama(llama_cpp.Llama):
         )
         costs = cost_model if cost_model is not None else CostModel()
         self.prefix_cache = open_cache(self, self._kv_layout, costs, slots, window)
+        #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
+        #: the paged cache refuses) where they are exact; None otherwise.
+        self.restore_points: RestorePointPath | None = (
+            open_restore_points(self) if self.cache_disabled_reason is not None else None
+        )
 
     @classmethod
     def from_package(
@@ -335,6 +341,8 @@ class SkippyLlama(llama_cpp.Llama):
     ) -> Generator[int, Sequence[int] | None, None]:
         """``Llama.generate`` that first restores the longest cached prefix of ``tokens``."""
         reset = kwargs.get("reset", True)
+        if self.restore_points is not None and reset and len(tokens) > 0:
+            return (yield from self.restore_points.generate(tokens, args, kwargs))
         if not self.caching or not reset or len(tokens) == 0:
             return (yield from super().generate(tokens, *args, **kwargs))
         self._epoch += 1
@@ -511,7 +519,9 @@ class SkippyLlama(llama_cpp.Llama):
         self.reply_repairable = False
 
     def clear_cache(self) -> None:
-        """Drop every resident prefix (L1)."""
+        """Drop every resident prefix (L1) and restore point."""
+        if self.restore_points is not None:
+            self.restore_points.clear()
         resident = self.prefix_cache.resident
         if resident is not None:
             resident.clear()

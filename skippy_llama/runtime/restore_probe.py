@@ -33,7 +33,6 @@ from . import native
 
 #: The sequence the probe decodes in, and the slot its device checkpoints use.
 _SEQ, _SLOT = 0, 1
-N_SEQ = 2
 
 
 @dataclass
@@ -88,18 +87,27 @@ class ProbeReport:
 
 
 class _Probe:
-    """A model and a two-sequence context of llama.cpp's C API, freed by :meth:`close`."""
+    """A model and context of llama.cpp's C API with a batch of ``n_batch`` tokens; ``owned``
+    handles are freed by :meth:`close` (a borrowed context, a ``Llama``'s, is left alone)."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, flash_attn: bool) -> None:
+    def __init__(self, model: Any, ctx: Any, n_batch: int, *, owned: bool) -> None:
+        self.model, self.ctx, self.owned = model, ctx, owned
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+
+    @classmethod
+    def load(cls, path: str, n_ctx: int, n_threads: int, flash_attn: bool) -> _Probe:
+        """Its own model and a two-sequence context (working sequence, checkpoint slot)."""
         mparams = llama_cpp.llama_model_default_params()
-        self.model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
-        if not self.model:
+        model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
+        if not model:
             raise TierError(f"could not load {path}")
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_ctx
         cparams.n_ubatch = n_ctx
-        cparams.n_seq_max = N_SEQ
+        cparams.n_seq_max = 2
         cparams.kv_unified = True
         cparams.n_threads = cparams.n_threads_batch = n_threads
         # llama.cpp's default (auto) turns flash attention on where plain Llama turns it off
@@ -108,18 +116,17 @@ class _Probe:
             if flash_attn
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            llama_cpp.llama_model_free(self.model)
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
             raise TierError(f"could not create a context for {path}")
-        vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        self.batch = llama_cpp.llama_batch_init(n_ctx, 0, 1)
+        return cls(model, ctx, n_ctx, owned=True)
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
-        llama_cpp.llama_free(self.ctx)
-        llama_cpp.llama_model_free(self.model)
+        if self.owned:
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(native.memory(self.ctx), True)
@@ -169,7 +176,7 @@ class _Probe:
 
 @contextmanager
 def _opened(path: str, n_ctx: int, n_threads: int, flash_attn: bool = False) -> Iterator[_Probe]:
-    probe = _Probe(path, n_ctx, n_threads, flash_attn)
+    probe = _Probe.load(path, n_ctx, n_threads, flash_attn)
     try:
         yield probe
     finally:
@@ -182,7 +189,9 @@ def probe_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(3, n_vocab, size=n)]
 
 
-def _point(probe: _Probe, tokens: list[int], p: int, chunk: int) -> PointResult:
+def _point(
+    probe: _Probe, tokens: list[int], p: int, chunk: int, *, device: bool = True
+) -> PointResult:
     n = len(tokens)
     suffix = tokens[p:]
     # cold: the whole prompt in one batch, logits for the suffix's positions
@@ -217,7 +226,7 @@ def _point(probe: _Probe, tokens: list[int], p: int, chunk: int) -> PointResult:
         restore_exact=bool(np.array_equal(restored, cold)),
         restore_matches_split=bool(np.array_equal(restored, split)),
         chunked_restore_exact=bool(np.array_equal(chunked, cold)),
-        device_checkpoint=_device_checkpoint(probe, tokens, p, cold),
+        device_checkpoint=_device_checkpoint(probe, tokens, p, cold) if device else "skipped",
         control_differs=not np.array_equal(other, cold),
         max_abs_diff=float(np.max(np.abs(restored - cold))),
         state_bytes=len(blob),
@@ -279,3 +288,28 @@ def _metadata(model: Any, key: str) -> str:
     buf = ctypes.create_string_buffer(256)
     n = int(llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf)))
     return buf.value.decode("utf-8", "replace") if n >= 0 else "unknown"
+
+
+#: The load-time check (:func:`restores_exactly`): prompt ends, suffix tokens, chunk tokens.
+CHECK_ENDS, CHECK_SUFFIX, CHECK_CHUNK = (1, 13), 8, 4
+
+
+def restores_exactly(model: Any, ctx: Any) -> bool:
+    """Whether, in this context (a ``Llama``'s: its kernel settings), a whole-sequence restore
+    at a prompt end followed by a batched suffix gives a cold one-batch prefill's logits bit for
+    bit, after a prefill in one batch and in chunks. Clears the context's memory.
+
+    Decodes about 20 tokens a dozen times: milliseconds for the synthetic models.
+    """
+    n = max(CHECK_ENDS) + CHECK_SUFFIX
+    probe = _Probe(model, ctx, n, owned=False)
+    try:
+        tokens = probe_tokens(n, probe.n_vocab)
+        for p in CHECK_ENDS:
+            point = _point(probe, tokens[: p + CHECK_SUFFIX], p, CHECK_CHUNK, device=False)
+            if not (point.restore_exact and point.chunked_restore_exact and point.control_differs):
+                return False
+        return True
+    finally:
+        probe.clear()
+        probe.close()

@@ -23,7 +23,9 @@ _KIND = {
 
 @pytest.mark.parametrize("family", sorted(_KIND))
 def test_loads_and_generates(family: str, synthetic_models: dict[str, Path]) -> None:
-    llm = llama_cpp.Llama(str(synthetic_models[family]), n_ctx=256, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(
+        str(synthetic_models[family]), n_ctx=256, n_threads=1, n_threads_batch=1, verbose=False
+    )
     try:
         assert (llm._is_recurrent, llm._is_hybrid) == _KIND[family]
         first = llm("The cat sat on", max_tokens=6, temperature=0.0)

@@ -1,0 +1,116 @@
+"""SkippyLlama on recurrent and hybrid models: a prompt that extends an earlier prompt restores
+that prompt's restore point and decodes only the rest, and answers exactly as a cold run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from skippy_llama import SkippyLlama
+from skippy_llama.config import Settings
+
+pytestmark = pytest.mark.model
+
+_FAMILIES = ("mamba2", "qwen35", "granitehybrid", "lfm2")
+
+
+def _cold(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Tokens and first-token logits of a fresh plain Llama (a cold prefill)."""
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False, logits_all=False
+    )
+    try:
+        out = _greedy(llm, prompt, max_tokens)
+    finally:
+        llm.close()
+    return out
+
+
+def _greedy(
+    llm: llama_cpp.Llama, prompt: list[int], max_tokens: int
+) -> tuple[list[int], np.ndarray]:
+    tokens: list[int] = []
+    first: np.ndarray | None = None
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        if first is None:
+            first = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)
+            ).copy()
+        tokens.append(token)
+        if len(tokens) == max_tokens:
+            break
+    assert first is not None
+    return tokens, first
+
+
+@pytest.mark.parametrize("family", _FAMILIES)
+def test_extended_prompts_restore_and_match_cold(
+    family: str, synthetic_models: dict[str, Path]
+) -> None:
+    path = synthetic_models[family]
+    rng = np.random.default_rng(1)
+    doc = [int(t) for t in rng.integers(3, 300, size=90)]
+    turns = [doc, [*doc, 17, 18, 19, 20], [*doc, 17, 18, 19, 20, 40, 41, 42], [*doc, 99, 98]]
+    llm = SkippyLlama(
+        str(path),
+        n_ctx=512,
+        n_threads=1,
+        n_threads_batch=1,
+        verbose=False,
+        cache_settings=Settings(),
+    )
+    try:
+        assert llm.restore_points is not None
+        assert not llm.caching  # the paged cache still refuses the model
+        served = []
+        for prompt in turns:
+            tokens, logits = _greedy(llm, prompt, 5)
+            cold_tokens, cold_logits = _cold(path, prompt, 5)
+            assert tokens == cold_tokens
+            assert np.array_equal(logits, cold_logits)
+            event = llm.last_cache_event
+            assert event is not None
+            served.append(event.cached_tokens)
+    finally:
+        llm.close()
+    # turn 1 is cold; turns 2-4 continue from the deepest earlier prompt they extend
+    assert served == [0, 90, 94, 90]
+
+
+def test_text_completions_report_cached_tokens(synthetic_models: dict[str, Path]) -> None:
+    llm = SkippyLlama(
+        str(synthetic_models["qwen35"]),
+        n_ctx=512,
+        n_threads=1,
+        n_threads_batch=1,
+        verbose=False,
+        cache_settings=Settings(),
+    )
+    try:
+        text = "A shared document about cats and dogs. " * 4
+        llm.create_completion(text + "Question one?", max_tokens=3, temperature=0.0)
+        second = llm.create_completion(text + "Question two?", max_tokens=3, temperature=0.0)
+        # the first prompt's end is the only restore point; the second does not extend it
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        third = llm.create_completion(text + "Question two? More", max_tokens=3, temperature=0.0)
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        llm.close()
+
+
+def test_off_without_l1(synthetic_models: dict[str, Path]) -> None:
+    llm = SkippyLlama(
+        str(synthetic_models["mamba2"]),
+        n_ctx=256,
+        n_threads=1,
+        n_threads_batch=1,
+        verbose=False,
+        cache_settings=Settings(l1={"enabled": False}),
+    )
+    try:
+        assert llm.restore_points is None
+    finally:
+        llm.close()
