@@ -51,6 +51,12 @@ class PointResult:
     chunked_restore_exact: bool
     #: device checkpoint (ON_DEVICE) restore + suffix equals the one-batch cold prefill, or why not
     device_checkpoint: str
+    #: attention cells of a longer sequence sharing [0, p), cut back to p, plus a snapshot of
+    #: only the recurrent state at p (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``), then the suffix,
+    #: equals the one-batch cold prefill: restore point = attention pages + snapshot(p)
+    snapshot_exact: bool
+    #: bytes of that snapshot (the whole state for a purely recurrent model)
+    snapshot_bytes: int
     #: the control: a capture of another prompt, restored at p, changes the suffix's logits
     #: (the comparisons can fail)
     control_differs: bool
@@ -164,14 +170,23 @@ class _Probe:
         for start in range(0, len(tokens), step):
             self.decode(tokens[start : start + step], start, len(tokens))
 
-    def state(self) -> bytes:
-        return bytes(native.get_seq_state(self.ctx, _SEQ))
+    def state(self, flags: int = 0) -> bytes:
+        """Sequence 0's state (``llama_state_seq_get_data_ext`` with ``flags``)."""
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, _SEQ, flags))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, _SEQ, flags))
+        if written != size:
+            raise TierError(f"llama_state_seq_get_data_ext wrote {written} of {size} bytes")
+        return bytes(buf)
 
-    def restore(self, blob: bytes) -> None:
-        self.clear()
-        buf = bytearray(blob)
-        if not native.set_seq_state(self.ctx, buf, _SEQ):
-            raise TierError("llama_state_seq_set_data refused the capture")
+    def restore(self, blob: bytes, flags: int = 0, *, clear: bool = True) -> None:
+        """Set sequence 0 from ``blob`` (after clearing the memory unless ``clear`` is False)."""
+        if clear:
+            self.clear()
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        read = int(llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(blob), _SEQ, flags))
+        if read != len(blob):
+            raise TierError("llama_state_seq_set_data_ext refused the capture")
 
 
 @contextmanager
@@ -213,6 +228,7 @@ def _point(
     probe.restore(probe.state())
     probe.decode(suffix, p, p)
     chunked = probe.logits(n - p)
+    snapshot_exact, snapshot_bytes = _snapshot(probe, tokens, p, cold)
     # the control: the capture of a prompt that differs in its first token
     first = 3 + (tokens[0] - 3 + 1) % (probe.n_vocab - 3)  # another ordinary token
     probe.prefill([first, *tokens[1:p]])
@@ -228,9 +244,30 @@ def _point(
         chunked_restore_exact=bool(np.array_equal(chunked, cold)),
         device_checkpoint=_device_checkpoint(probe, tokens, p, cold) if device else "skipped",
         control_differs=not np.array_equal(other, cold),
+        snapshot_exact=snapshot_exact,
+        snapshot_bytes=snapshot_bytes,
         max_abs_diff=float(np.max(np.abs(restored - cold))),
         state_bytes=len(blob),
     )
+
+
+def _snapshot(
+    probe: _Probe, tokens: list[int], p: int, cold: npt.NDArray[np.float32]
+) -> tuple[bool, int]:
+    """Restore p from a longer sequence's attention cells plus a recurrent-only snapshot."""
+    partial = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+    probe.prefill(tokens[:p])
+    snapshot = probe.state(partial)
+    # a longer sequence sharing [0, p) and differing after it
+    probe.prefill([*tokens[:p], *reversed(tokens[p:])])
+    longer = probe.state()
+    probe.restore(longer)
+    probe.restore(snapshot, partial, clear=False)
+    # the recurrent state now sits at p - 1, so the cut of the attention cells [p, ...) succeeds
+    if not native.seq_rm(probe.ctx, _SEQ, p, -1):
+        return False, len(snapshot)
+    probe.decode(tokens[p:], p, p)
+    return bool(np.array_equal(probe.logits(len(tokens) - p), cold)), len(snapshot)
 
 
 def _device_checkpoint(

@@ -48,9 +48,12 @@ def test_restore_at_prompt_end_is_exact(family: str, synthetic_models: dict[str,
         assert point.restore_exact and point.restore_matches_split, point
         assert point.chunked_restore_exact, point
         assert point.device_checkpoint == "exact", point
+        # attention cells of a longer sequence + a recurrent-only snapshot at p: exact too
+        assert point.snapshot_exact, point
         assert point.max_abs_diff == 0.0
     assert report.exact
     if family == "mamba2":  # no attention: the state does not grow with the prompt
         assert report.state_bytes_per_token == 0
     else:
         assert report.state_bytes_per_token > 0
+        assert all(p.snapshot_bytes < p.state_bytes for p in report.points)
