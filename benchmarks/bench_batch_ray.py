@@ -55,6 +55,7 @@ def plain_worker(inp: Path, out: Path, model: str, max_tokens: int) -> None:
     with out.open("w") as f:
         for item in items:
             result = llm.create_completion(item["prompt"], max_tokens=max_tokens, temperature=0.0)
+            assert isinstance(result, dict)
             f.write(json.dumps({"id": item["id"], "text": result["choices"][0]["text"]}) + "\n")
     print(json.dumps({"elapsed_s": round(time.perf_counter() - started, 3)}))
 
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or str(default_model_path())
     if args.plain_worker:
-        plain_worker(*args.plain_worker, model, args.max_tokens)
+        inp, out = args.plain_worker
+        plain_worker(inp, out, model, args.max_tokens)
         return 0
     if args.out is None:
         parser.error("--out is required")

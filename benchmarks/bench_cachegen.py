@@ -82,7 +82,7 @@ def capture(flash_attn: bool, n_tokens: int) -> bytes:
         llm.close()
 
 
-def _values(page: bytes, head: int) -> np.ndarray[Any, Any]:
+def _values(page: bytes | bytearray, head: int) -> np.ndarray[Any, Any]:
     return np.frombuffer(page, np.uint8)[head:].view(np.float16).astype(np.float32)
 
 

@@ -70,7 +70,8 @@ def _force(params: str | None) -> None:
 
     k, v = (tuple(int(b) for b in part.split(",")) for part in params.split("/"))
     forced = CacheGenParams(k, v, group_tokens=128)
-    real = identity_params.load_roster
+    # identity_params imports load_roster from skippy_llama.roster: the name it calls is its own
+    real = identity_params.load_roster  # type: ignore[attr-defined]
 
     def patched() -> Any:
         import dataclasses
@@ -91,7 +92,7 @@ def _force(params: str | None) -> None:
 
         return Forced()
 
-    identity_params.load_roster = patched  # type: ignore[assignment]
+    identity_params.load_roster = patched  # type: ignore[attr-defined,assignment]
     del load_roster
 
 
@@ -109,7 +110,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "codec": spec["codec"], "compression": "zstd"},
     )  # fmt: skip
     model = str(default_model_path())
-    kw = {"n_ctx": 4096, "n_batch": 512, "verbose": False, "seed": 1, "n_threads": 2}
+    kw: dict[str, Any] = {
+        "n_ctx": 4096,
+        "n_batch": 512,
+        "verbose": False,
+        "seed": 1,
+        "n_threads": 2,
+    }
     llm = SkippyLlama(model, cache_settings=settings, **kw)
     disk = llm.prefix_cache.disk
     assert disk is not None

@@ -86,7 +86,8 @@ def bench_load(model: str, repeats: int) -> dict[str, Any]:
 def bench_capture(model: str, turns: int) -> dict[str, Any]:
     from skippy_llama.config import Settings
     from skippy_llama.runtime import native
-    from skippy_llama.runtime.llama import WORKING_SEQ, SkippyLlama
+    from skippy_llama.runtime.llama import SkippyLlama
+    from skippy_llama.runtime.seam import WORKING_SEQ
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(l3={"mode": "fixed", "budget": "4GiB", "directory": tmp})
@@ -94,7 +95,7 @@ def bench_capture(model: str, turns: int) -> dict[str, Any]:
         captured: list[float] = []
         original = native.capture_range
 
-        def timed(*args: Any) -> bytearray:
+        def timed(*args: Any) -> memoryview:
             started = time.perf_counter()
             blob = original(*args)
             captured.append(time.perf_counter() - started)

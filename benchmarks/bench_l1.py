@@ -9,17 +9,16 @@ here is a timed assertion. Results go to a JSON file and a small table is printe
    - cold: on a ``SkippyLlama`` with the cache off (``l1.enabled = False``), after ``reset()``
      so that nothing of the live sequence is reused either (a full 2,048-token prefill);
    - warm: on a ``SkippyLlama`` with the cache on, right after a short unrelated prompt has
-     replaced the working sequence, so the prefix comes from a resident sequence (a KV stream
-     copy) and only 128 tokens are prefilled.
+     replaced the working sequence, so the prefix comes from a resident prefix (a device
+     checkpoint restored) and only 128 tokens are prefilled.
    ``max_tokens=1``; TTFT is ``last_cache_event.ttft_ms`` and the wall time of
    ``create_completion``. The greedy first tokens and the last-token logits of warm and cold
    are compared.
 2. **Capture overhead on the cold path.** Fresh 2,048-token prompts (never seen before, so no
-   hit) with ``max_tokens=16`` through the cache-on instance (which parks the sequence after
-   each request: a KV stream copy, plus the batched re-decode of the generated tokens, "repair")
-   and the cache-off instance, alternating the order. The park and repair steps are timed
-   separately by wrapping the instance's ``park`` and its seam's ``execute``, and the stream copy
-   that llama.cpp defers to the next decode by a one-token decode with and without it.
+   hit) with ``max_tokens=16`` through the cache-on instance (which parks the sequence when the
+   next prompt leaves it: a device checkpoint, plus the batched re-decode of the generated
+   tokens, "repair") and the cache-off instance, alternating the order. The park and repair
+   steps are timed separately by wrapping the instance's ``park`` and its seam's ``execute``.
 
 Usage::
 
@@ -49,8 +48,7 @@ import numpy as np
 
 from skippy_llama.config import Settings
 from skippy_llama.models import resolve_model_path
-from skippy_llama.runtime import native
-from skippy_llama.runtime.llama import WORKING_SEQ, SkippyLlama
+from skippy_llama.runtime.llama import SkippyLlama
 
 _WORD_TEXT = (
     "the a of and to in is was for on with as by at from that this it be are were which an "
@@ -325,8 +323,6 @@ def bench_capture(
             f"repair {pair['on'].repair_ms:.1f}), off {pair['off'].wall_ms:8.1f} ms"
         )
 
-    log("  deferred stream copy of a park")
-    deferred = bench_deferred_copy(llm_on, tries=7)
     on = [r for r in runs if r.variant == "on"]
     off = [r for r in runs if r.variant == "off"]
     on_wall = median([r.wall_ms for r in on])
@@ -337,12 +333,7 @@ def bench_capture(
     resolvable = len(off) >= 3 and spread <= TARGET_OVERHEAD
     pairs = list(zip(on, off, strict=True))
     # what the cache adds to a cold request, step by step, as a share of the cache-off wall time
-    steps = median(
-        [
-            (r.lookup_ms + r.park_ms + r.repair_ms + deferred["copy_ms"]) / o.wall_ms
-            for r, o in pairs
-        ]
-    )
+    steps = median([(r.lookup_ms + r.park_ms + r.repair_ms) / o.wall_ms for r, o in pairs])
     return {
         "description": (
             f"cold path, {prompt_tokens}-token never-seen prompts, max_tokens={max_tokens}: "
@@ -359,9 +350,7 @@ def bench_capture(
             "park": median([r.park_ms for r in on]),
             "repair": median([r.repair_ms for r in on]),
             "lookup": median([r.lookup_ms for r in on]),
-            "deferred_copy": deferred["copy_ms"],
         },
-        "deferred_copy": deferred,
         "off_wall_spread": spread,
         "overhead": overhead,
         "overhead_paired_median": median([r.wall_ms / o.wall_ms - 1.0 for r, o in pairs]),
@@ -374,43 +363,6 @@ def bench_capture(
         "target_met_wall": overhead <= TARGET_OVERHEAD if resolvable else None,
         "target_met_steps": steps <= TARGET_OVERHEAD,
         "runs": [asdict(r) for r in runs],
-    }
-
-
-def bench_deferred_copy(llm_on: SkippyLlama, *, tries: int) -> dict[str, Any]:
-    """Time the KV stream copy that parking schedules but llama.cpp performs at the next decode.
-
-    ``park`` only calls ``llama_memory_seq_cp`` between two KV streams; llama.cpp copies the
-    whole stream buffer (every layer's K and V, all ``n_ctx`` cells) when the next batch is
-    decoded, so that cost is not in ``park_ms``. Here one-token decodes of the working sequence
-    alternate with and without a pending copy into an empty resident slot; the difference of the
-    medians is the copy. Leaves the resident index empty.
-    """
-    resident = llm_on.prefix_cache.resident
-    assert resident is not None
-    llm_on.clear_cache()
-    slot = 1
-    plain: list[float] = []
-    copied: list[float] = []
-    token = [int(llm_on.input_ids[max(llm_on.n_tokens - 1, 0)])]
-    for i in range(2 * tries):
-        with_copy = i % 2 == 1
-        if with_copy:
-            native.copy_stream(llm_on.ctx, WORKING_SEQ, slot, keep=llm_on.n_tokens)
-        started = time.perf_counter()
-        llama_cpp.Llama.eval(llm_on, token)
-        (copied if with_copy else plain).append((time.perf_counter() - started) * 1e3)
-        native.seq_rm(llm_on.ctx, slot)
-    n_cells = llm_on.n_ctx()
-    return {
-        "description": (
-            "deferred KV stream copy of a park, measured as the extra time of the next "
-            "one-token decode"
-        ),
-        "tries": tries,
-        "stream_cells": n_cells,
-        "median_ms": {"decode_plain": median(plain), "decode_with_copy": median(copied)},
-        "copy_ms": median(copied) - median(plain),
     }
 
 
@@ -460,14 +412,14 @@ def print_table(ttft: dict[str, Any], capture: dict[str, Any]) -> None:
         ),
         (
             "capture overhead (steps)",
-            f"{c['lookup'] + c['park'] + c['repair'] + c['deferred_copy']:.1f} ms",
+            f"{c['lookup'] + c['park'] + c['repair']:.1f} ms",
             f"{capture['step_overhead'] * 100:.2f} %",
             f"<= {TARGET_OVERHEAD * 100:.0f} %",
             "yes" if capture["target_met_steps"] else "NO",
         ),
         (
-            "  park/repair/copy",
-            f"{c['park']:.1f} / {c['repair']:.1f} / {c['deferred_copy']:.1f} ms",
+            "  park/repair",
+            f"{c['park']:.1f} / {c['repair']:.1f} ms",
             "",
             "",
             "",

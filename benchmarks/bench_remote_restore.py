@@ -59,6 +59,7 @@ def document(llm: llama_cpp.Llama, tokens: int) -> str:
 def ttft(llm: llama_cpp.Llama, prompt: str) -> tuple[float, str]:
     started = time.perf_counter()
     done = llm.create_completion(prompt, max_tokens=1, temperature=0.0)
+    assert isinstance(done, dict)
     return time.perf_counter() - started, str(done["choices"][0]["text"])
 
 
@@ -138,8 +139,12 @@ def main() -> None:
         "outputs_equal": all(r["outputs_equal"] for r in rows),
         **never,
     }
-    result = {"machine": os.uname().machine, "cpus": os.cpu_count(), "rows": rows}
-    result["summary"] = summary
+    result = {
+        "machine": os.uname().machine,
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "summary": summary,
+    }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 

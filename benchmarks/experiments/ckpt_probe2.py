@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ def main() -> None:
         buf = (ctypes.c_uint8 * size)()
         timed(
             "get_data_ext dev",
-            lambda b=buf, n=size: llama_cpp.llama_state_seq_get_data_ext(llm.ctx, b, n, 2, flags),
+            functools.partial(llama_cpp.llama_state_seq_get_data_ext, llm.ctx, buf, size, 2, flags),
         )
         timed("get_size host", lambda: llama_cpp.llama_state_seq_get_size(llm.ctx, 2))
         timed("seq_rm", lambda: llama_cpp.llama_memory_seq_rm(mem, 2, -1, -1))

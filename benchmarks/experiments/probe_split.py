@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("model", help="smol, gemma or a GGUF path")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    named = {"smol": default_model_path, "gemma": gemma3_model_path}
+    named: dict[str, Callable[[], Path]] = {"smol": default_model_path, "gemma": gemma3_model_path}
     path = str(named[args.model]() if args.model in named else args.model)
     llm = llama_cpp.Llama(path, n_ctx=1024, n_batch=512, flash_attn=False, verbose=False)
     tokens = [int(t) for t in np.random.default_rng(0).integers(100, 20000, 171)]

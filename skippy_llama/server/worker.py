@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -72,7 +72,7 @@ class ModelThread:
             result = await asyncio.wrap_future(future)
         return result
 
-    def iterate(self, chunks: Iterator[T]) -> Iterator[T]:
+    def iterate(self, chunks: Iterator[T]) -> Generator[T, None, None]:
         """``chunks``, each ``next`` (and the final ``close``) run on the model thread."""
         try:
             while True:

@@ -16,9 +16,14 @@ _ngl = os.environ.get("LLCPP_FORCE_NGL")
 if _ngl:
     import importlib.abc
     import importlib.machinery
+    from typing import Any
+
+    ngl = _ngl
 
     class _PatchLlama(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
+        def find_spec(
+            self, name: str, path: Any, target: Any = None
+        ) -> importlib.machinery.ModuleSpec | None:
             if name != "llama_cpp.llama":
                 return None
             sys.meta_path.remove(self)
@@ -27,13 +32,13 @@ if _ngl:
                 return spec
             exec_orig = spec.loader.exec_module
 
-            def exec_module(module):
+            def exec_module(module: Any) -> None:
                 exec_orig(module)
                 cls = module.Llama
                 init = cls.__init__
 
-                def __init__(self, *args, **kwargs):
-                    kwargs.setdefault("n_gpu_layers", int(_ngl))
+                def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                    kwargs.setdefault("n_gpu_layers", int(ngl))
                     if os.environ.get("LLCPP_FORCE_FA"):
                         kwargs.setdefault("flash_attn", True)
                     ub = os.environ.get("LLCPP_FORCE_UBATCH")
@@ -50,11 +55,11 @@ if _ngl:
                             f.write(
                                 f"{os.getpid()} {type(self).__name__} ngl={kwargs['n_gpu_layers']}\n"
                             )
-                    return init(self, *args, **kwargs)
+                    init(self, *args, **kwargs)
 
                 cls.__init__ = __init__
 
-            spec.loader.exec_module = exec_module
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
             return spec
 
     sys.meta_path.insert(0, _PatchLlama())

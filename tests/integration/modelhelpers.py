@@ -105,7 +105,7 @@ def short_of_a_boundary(
     raise AssertionError(f"no filler brings the prompt within {room} tokens of a boundary")
 
 
-def prompt_tokens(llm: llama_cpp.Llama, prompt: str | list[dict[str, str]]) -> int:
+def prompt_tokens(llm: llama_cpp.Llama, prompt: str | list[Any]) -> int:
     """Tokens ``llm`` prefills for a completion prompt, or for chat messages rendered by the
     model's own template as ``create_chat_completion`` renders them (with the assistant's turn)."""
     if isinstance(prompt, str):

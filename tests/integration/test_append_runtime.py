@@ -43,7 +43,7 @@ N_CTX = 1024
 LONG, SHORT, PAGE = 400, 150, 64
 
 
-def _kwargs() -> dict[str, object]:
+def _kwargs() -> dict[str, Any]:
     # restores forced: a GPU build's measured costs may prefill these short prompts instead
     return {
         "n_ctx": N_CTX,

@@ -28,7 +28,7 @@ QUESTIONS = ["Who climbs the stairs?", "How many steps are there?", "What is wri
 
 def _items() -> list[dict[str, Any]]:
     # documents interleaved in the input, as a queue of questions would arrive
-    items = [
+    items: list[dict[str, Any]] = [
         {"id": f"{doc}-{q}", "prompt": f"{text}\nQuestion: {question}\nAnswer:"}
         for q, question in enumerate(QUESTIONS)
         for doc, text in DOCS.items()

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from modelhelpers import TEXT
@@ -102,7 +102,7 @@ def reference(smollm2_path: Path, input_file: Path) -> list[str]:
     return sorted(_lines(out))
 
 
-def _wait_for_lines(proc: subprocess.Popen[bytes], out: Path, n: int) -> None:
+def _wait_for_lines(proc: subprocess.Popen[Any], out: Path, n: int) -> None:
     deadline = time.monotonic() + 300
     while len(_lines(out)) < n:
         assert proc.poll() is None, "the batch ended before the kill"
@@ -166,7 +166,7 @@ def test_actor_killed_mid_shard_its_items_finish_elsewhere(
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_lines(proc, out, 2)
     actor = ray.get_actor(f"batch-{proc.pid}-0", namespace=NAMESPACE)
-    pid = ray.get(actor.pid.options(concurrency_group=INFO_GROUP).remote())
+    pid = cast(int, ray.get(actor.pid.options(concurrency_group=INFO_GROUP).remote()))
     os.kill(pid, signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
@@ -191,7 +191,8 @@ def test_item_running_when_its_actor_dies_past_its_retries_is_an_error(
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_lines(proc, out, 2)
     actor = ray.get_actor(f"batch-{proc.pid}-1", namespace=NAMESPACE)
-    os.kill(ray.get(actor.pid.options(concurrency_group=INFO_GROUP).remote()), signal.SIGKILL)
+    pid = cast(int, ray.get(actor.pid.options(concurrency_group=INFO_GROUP).remote()))
+    os.kill(pid, signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 1, stderr  # a failed item: exit 1, as without Ray
     summary = json.loads(stdout)

@@ -80,6 +80,7 @@ def test_unqualified_layout_stores_native_pages(smollm2_path: Path, tmp_path: Pa
         assert lossy.cache_identity.root == exact.cache_identity.root
         lossy.create_completion(PROMPT, max_tokens=1)
         assert _stored_codecs(lossy) <= {b"SKZ1", b"SKPG"}  # native pages only
+        assert lossy.prefix_cache.disk is not None
         assert lossy.prefix_cache.disk._parts.counters.get("codec_unqualified") > 0
     finally:
         exact.close()

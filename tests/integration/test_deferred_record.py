@@ -55,6 +55,7 @@ def settings(directory: Path, *, l1: bool = True) -> Settings:
 
 def complete(llm: llama_cpp.Llama, prompt: str) -> str:
     done = llm.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+    assert isinstance(done, dict)
     return str(done["choices"][0]["text"])
 
 

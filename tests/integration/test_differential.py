@@ -82,8 +82,14 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(words[: rng.randint(8, len(words))]) + rng.choice(TAILS)
 
 
+def _choice(out: Any) -> Any:
+    """The first choice of a (not streamed) completion: llama_cpp types the result as a
+    response or a stream, so the test reads it untyped."""
+    return out["choices"][0]
+
+
 def _text(out: Any) -> tuple[str, str]:
-    choice = out["choices"][0]
+    choice = _choice(out)
     return str(choice["text"]), str(choice["finish_reason"])
 
 
@@ -115,14 +121,14 @@ def _make_op(kind: str, rng: random.Random, state: dict[str, Any]) -> Op:
         )
     if kind == "stream":
         return lambda llm: "".join(
-            c["choices"][0]["text"]
+            _choice(c)["text"]
             for c in llm.create_completion(
                 prompt, max_tokens=max_tokens, temperature=0, stream=True
             )
         )
     if kind == "shaped":
         # the sampler paths of test_dropin's _sampling_script, one drawn per call
-        shape = rng.choice(
+        shape: dict[str, Any] = rng.choice(
             [
                 {"grammar": "json"},
                 {"stop": [".", "\n"], "max_tokens": 24},
@@ -135,19 +141,21 @@ def _make_op(kind: str, rng: random.Random, state: dict[str, Any]) -> Op:
         def shaped(llm: llama_cpp.Llama) -> Any:
             kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, **shape}
             if kwargs.get("grammar") == "json":
-                kwargs["grammar"] = llama_cpp.LlamaGrammar.from_json_schema(SCHEMA, verbose=False)
+                kwargs["grammar"] = llama_cpp.llama_grammar.LlamaGrammar.from_json_schema(
+                    SCHEMA, verbose=False
+                )
                 kwargs["max_tokens"] = 24
             return _text(llm.create_completion(prompt, **kwargs))
 
         return shaped
     if kind == "echo":
-        return lambda llm: llm.create_completion(
-            prompt, max_tokens=2, temperature=0.0, logprobs=2, echo=True
-        )["choices"][0]["logprobs"]
+        return lambda llm: _choice(
+            llm.create_completion(prompt, max_tokens=2, temperature=0.0, logprobs=2, echo=True)
+        )["logprobs"]
     if kind == "logprobs":
-        return lambda llm: llm.create_completion(prompt, max_tokens=3, temperature=0.0, logprobs=2)[
-            "choices"
-        ][0]["logprobs"]
+        return lambda llm: _choice(
+            llm.create_completion(prompt, max_tokens=3, temperature=0.0, logprobs=2)
+        )["logprobs"]
     if kind in ("chat", "chat_stream"):
         which, turn = rng.randrange(2), rng.choice(USER_TURNS)
 
@@ -156,12 +164,12 @@ def _make_op(kind: str, rng: random.Random, state: dict[str, Any]) -> Op:
             messages.append({"role": "user", "content": turn})
             if kind == "chat":
                 out = llm.create_chat_completion(messages=messages, max_tokens=12, temperature=0)
-                reply = out["choices"][0]["message"]["content"]
+                reply = _choice(out)["message"]["content"]
             else:
                 chunks = llm.create_chat_completion(
                     messages=messages, max_tokens=12, temperature=0, stream=True
                 )
-                reply = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+                reply = "".join(_choice(c)["delta"].get("content", "") for c in chunks)
             messages.append({"role": "assistant", "content": reply})
             return reply
 
@@ -180,7 +188,7 @@ def _make_op(kind: str, rng: random.Random, state: dict[str, Any]) -> Op:
             if isinstance(llm, ColdLlama):
                 # the truth is a cold prefill of the whole: where the kernels depend on the batch
                 # split (flash attention, GPUs), plain Llama's eval on top of its cells is not it
-                llm.reset()
+                llm.reset()  # type: ignore[no-untyped-call]  # llama_cpp.Llama's, unannotated
                 llm.eval(head + tail)
             else:
                 llm.eval(tail)

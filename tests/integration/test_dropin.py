@@ -58,8 +58,14 @@ def _both(
     return want, got, skippy
 
 
+def _choice(out: Any) -> Any:
+    """The first choice of a (not streamed) completion: llama_cpp types the result as a
+    response or a stream, so the test reads it untyped."""
+    return out["choices"][0]
+
+
 def _text(out: Any) -> str:
-    return str(out["choices"][0]["text"])
+    return str(_choice(out)["text"])
 
 
 def _complete(llm: llama_cpp.Llama, prompt: str, **kwargs: Any) -> str:
@@ -88,7 +94,7 @@ def test_save_and_load_state_match_plain_llama(smollm2_path: Path) -> None:
 
 def test_set_cache_with_llama_ram_cache_matches_plain_llama(smollm2_path: Path) -> None:
     def script(llm: llama_cpp.Llama) -> list[Any]:
-        llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))
+        llm.set_cache(llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=2 << 30))
         return [
             _complete(llm, TEXT + "Question one:"),
             _complete(llm, OTHER + "Question two:"),
@@ -151,7 +157,7 @@ def test_prompt_logprobs_after_a_cached_prefix_match_plain_llama(smollm2_path: P
             TEXT + "Question three:", max_tokens=4, temperature=0.0, echo=True, logprobs=3
         )
         plain_after = _complete(llm, TEXT + "Question four:")
-        return [out["choices"][0]["logprobs"], plain_after]
+        return [_choice(out)["logprobs"], plain_after]
 
     want, got, skippy = _both(smollm2_path, script, logits_all=True)
     assert got[0]["token_logprobs"][1:] == want[0]["token_logprobs"][1:]
@@ -178,7 +184,7 @@ def test_logits_all_rows_are_never_restored_ones(smollm2_path: Path) -> None:
         llm.eval(llm.tokenize((TEXT + "Question six:").encode()))
         rows = llm.scores[: llm.n_tokens].tobytes()
         again = _complete(llm, TEXT + "Question six: and")
-        return [out["choices"][0]["logprobs"], rows, again]
+        return [_choice(out)["logprobs"], rows, again]
 
     want, got, skippy = _both(smollm2_path, script, logits_all=True)
     assert got == want
@@ -199,7 +205,9 @@ SCHEMA = {
 
 def _sampling_script(llm: llama_cpp.Llama) -> list[Any]:
     q = TEXT + "Question: what did the keeper count? Answer:"
-    grammar = llama_cpp.LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
+    grammar = llama_cpp.llama_grammar.LlamaGrammar.from_json_schema(
+        json.dumps(SCHEMA), verbose=False
+    )
     return [
         _complete(llm, q, max_tokens=16, temperature=0.9, seed=1234),
         _complete(llm, q, max_tokens=16, temperature=0.7, top_k=20, top_p=0.8, seed=7),
@@ -207,7 +215,7 @@ def _sampling_script(llm: llama_cpp.Llama) -> list[Any]:
         _complete(llm, q + " {", max_tokens=40, grammar=grammar),
         _complete(llm, q, max_tokens=12, logit_bias={198: -100.0, 13: 5.0}),
         _complete(llm, q, max_tokens=40, stop=["\n", "."]),
-        llm.create_completion(q, max_tokens=12, temperature=0.0, stop=["steps"])["choices"][0][
+        _choice(llm.create_completion(q, max_tokens=12, temperature=0.0, stop=["steps"]))[
             "finish_reason"
         ],
     ]
@@ -223,21 +231,21 @@ def test_a_reply_that_runs_into_n_ctx_matches_plain_llama(smollm2_path: Path) ->
     def script(llm: llama_cpp.Llama) -> list[Any]:
         first = llm.create_completion(TEXT, max_tokens=-1, temperature=0.0)
         again = llm.create_completion(TEXT + " And", max_tokens=-1, temperature=0.0)
-        return [_text(first), first["choices"][0]["finish_reason"], _text(again)]
+        return [_text(first), _choice(first)["finish_reason"], _text(again)]
 
     want, got, _ = _both(smollm2_path, script, n_ctx=256)
     assert got == want
     assert want[1] == "length"
 
 
-def _stream_text(chunks: Iterator[Any], chat: bool = False) -> str:
+def _stream_text(chunks: Any, chat: bool = False) -> str:
     if chat:
         return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     return "".join(c["choices"][0]["text"] for c in chunks)
 
 
 def test_streams_and_an_abandoned_stream_match_plain_llama(smollm2_path: Path) -> None:
-    messages = [{"role": "user", "content": "Tell me about lighthouses."}]
+    messages: list[Any] = [{"role": "user", "content": "Tell me about lighthouses."}]
 
     def script(llm: llama_cpp.Llama) -> list[Any]:
         out = [
@@ -254,6 +262,7 @@ def test_streams_and_an_abandoned_stream_match_plain_llama(smollm2_path: Path) -
             ),
         ]
         abandoned = llm.create_completion(OTHER + "Knead", max_tokens=20, stream=True)
+        assert isinstance(abandoned, Iterator)
         out.append(next(abandoned)["choices"][0]["text"])
         out.append(_complete(llm, TEXT + "The keeper wrote"))
         del abandoned
@@ -340,7 +349,7 @@ def test_a_fault_in_the_repair_is_a_counted_fallback(
 
             messages = short_of_a_boundary(llm, chat, int(llm.context_params.n_ubatch), room=4)
             reply = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
-            out.append(reply["choices"][0]["message"]["content"])
+            out.append(_choice(reply)["message"]["content"])
         return out
 
     monkeypatch.setattr(repair, "repair", _raise(ValueError("repair failed")))

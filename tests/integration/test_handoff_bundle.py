@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from skippy_llama.events import CacheEvent
+
 if importlib.util.find_spec("cryptography") is None and not os.environ.get("CI"):
     pytest.skip("the remote extra (cryptography) is not installed", allow_module_level=True)
 
@@ -234,7 +236,7 @@ def test_a_prefix_stored_by_one_node_restores_on_another_from_a_bundle(
         "polished the great lens until it shone, and wound the clockwork that turned the light. "
     ) * 3 + "The keeper wrote in the logbook that"
 
-    def run(store: Path) -> tuple[str, object]:
+    def run(store: Path) -> tuple[str, CacheEvent | None]:
         settings = Settings(
             l3={"mode": "fixed", "budget": "1GiB", "directory": str(store), "minimum_free": "1GiB"}
         )
@@ -250,6 +252,7 @@ def test_a_prefix_stored_by_one_node_restores_on_another_from_a_bundle(
         reference = cold.create_completion(text, max_tokens=8, temperature=0.0)
     finally:
         cold.close()
+    assert isinstance(reference, dict)
     store_a, store_b = tmp_path / "a", tmp_path / "b"
     first, _ = run(store_a)
     with open_store(store_a) as tier:

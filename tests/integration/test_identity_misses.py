@@ -229,7 +229,7 @@ def repacked_model(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
-SPLIT_50 = {"n_batch": 50, "n_ubatch": 50}
+SPLIT_50: dict[str, Any] = {"n_batch": 50, "n_ubatch": 50}
 
 
 def _require_split_dependent(model: Path) -> None:

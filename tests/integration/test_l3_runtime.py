@@ -26,8 +26,10 @@ from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import L3Settings, Settings
 from skippy_llama.costs import CostModel
+from skippy_llama.events import CacheEvent
 from skippy_llama.runtime.llama import DECODED_SUFFIX, SkippyLlama
 from skippy_llama.tiers.disk import DiskTier
+from skippy_llama.tiers.records import PrefixRecord
 
 pytestmark = pytest.mark.model
 
@@ -120,6 +122,7 @@ def run_worker(model: Path, env: dict[str, str], prompts: list[str], **spec: Any
 
 def complete(llm: llama_cpp.Llama, prompt: str) -> str:
     done = llm.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+    assert isinstance(done, dict)
     return str(done["choices"][0]["text"])
 
 
@@ -215,8 +218,8 @@ def store(golden: dict[str, Any], tmp_path: Path) -> Path:
 def repeat_point(worker: dict[str, Any], index: int) -> int:
     """Tokens a repeat of the worker's prompt ``index`` reuses: all but the two always decoded,
     rounded down to the canonical granule (1 on the CPU with flash attention off)."""
-    n = worker["events"][index]["prompt_tokens"] - DECODED_SUFFIX
-    return n - n % worker["granule"]
+    n = int(worker["events"][index]["prompt_tokens"]) - DECODED_SUFFIX
+    return n - n % int(worker["granule"])
 
 
 def later_tiers(worker: dict[str, Any], tier: str) -> set[str]:
@@ -297,7 +300,12 @@ def test_records_cut_after_later_requests_captured_restore_exact_outputs(
     assert disk is not None
     gate = threading.Event()
     real_write = disk._writer._write
-    disk._writer._write = lambda rec: (gate.wait(120), real_write(rec))  # type: ignore[method-assign]
+
+    def gated(rec: PrefixRecord) -> None:
+        gate.wait(120)
+        real_write(rec)
+
+    disk._writer._write = gated  # type: ignore[method-assign]
     try:
         outputs = [complete(llm, prompt) for prompt in [*PROMPTS, UNRELATED]]
         counters = llm.prefix_cache.counters
@@ -559,11 +567,14 @@ def test_l2_mirrors_pages_after_the_second_fill(
     try:
         disk, ram = llm.prefix_cache.disk, llm.prefix_cache.ram
         assert disk is not None and ram is not None
-        outputs, events, l3_hits = [], [], []
+        outputs: list[str] = []
+        events: list[CacheEvent] = []
+        l3_hits: list[int] = []
         for _ in range(3):
             complete(llm, UNRELATED)  # displaces the live sequence (L1 is off)
             before = disk.status().process_activity.hits
             outputs.append(complete(llm, PROMPTS[0]))
+            assert llm.last_cache_event is not None
             events.append(llm.last_cache_event)
             l3_hits.append(disk.status().process_activity.hits - before)
         ram_status = ram.status()

@@ -146,7 +146,7 @@ def test_append_import_refuses_what_does_not_continue_and_changes_nothing(
 ) -> None:
     reference = last_logits(cold)
     good = native_ext.range_export(cold.ctx, 0, 128, 200)
-    refused = {
+    refused: dict[str, bytes | bytearray | memoryview] = {
         "gap": native_ext.range_export(cold.ctx, 0, 150, 200),
         "overlap": native_ext.range_export(cold.ctx, 0, 100, 200),
         "from 0": native_ext.range_export(cold.ctx, 0, 0, 72),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,8 +66,8 @@ def test_a_prepared_reply_is_reused_with_the_logits_of_a_cold_prefill(smollm2_pa
         want = cold_logits(cold, tokens)
         status = with_prep.cache_status()["counters"]
     finally:
-        for llm in (with_prep, without, cold):
-            llm.close()
+        for each in (with_prep, without, cold):
+            each.close()
     prepared_event, plain_event = events
     assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
     # the last prompt token's logits equal a cold prefill's, bit for bit, with or without
@@ -161,17 +162,19 @@ def _two_chats(
     llm: SkippyLlama | ColdLlama, prepare: bool, stop: Callable[[], bool] | None = None
 ) -> tuple[list[str], list[object]]:
     """Two chats served turn by turn; ``prepare``: between requests, as a server does."""
-    histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(2)]
-    texts, events = [], []
+    histories: list[list[Any]] = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(2)]
+    texts: list[str] = []
+    events: list[object] = []
     for turn in QUESTIONS:
         for history, question in zip(histories, turn, strict=True):
             history.append({"role": "user", "content": question})
             out = llm.create_chat_completion(messages=history, max_tokens=12, temperature=0)
+            assert isinstance(out, dict)
             events.append(llm.last_cache_event)
             if prepare:
                 assert isinstance(llm, SkippyLlama)
                 llm.prepare_next_turn(stop)
-            texts.append(out["choices"][0]["message"]["content"])
+            texts.append(str(out["choices"][0]["message"]["content"]))
             history.append({"role": "assistant", "content": texts[-1]})
     return texts, events
 

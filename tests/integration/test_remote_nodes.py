@@ -89,6 +89,7 @@ def reference(smollm2_path: Path) -> str:
         done = cold.create_completion(PROMPT, max_tokens=8, temperature=0.0)
     finally:
         cold.close()
+    assert isinstance(done, dict)
     return str(done["choices"][0]["text"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,7 +79,9 @@ def test_restore_into_another_sequence_id(smollm2_path: Path) -> None:
         tokens = llm.tokenize(TEXT.encode())[:140]
         super(SkippyLlama, llm).eval(tokens)
         state = parse_state(native.get_seq_state(llm.ctx, 0))
-        blob = assemble(cut_pages(state, 128, keep_tail=False), llm.kv_layout, seq_id=3)
+        layout = llm.kv_layout
+        assert layout is not None
+        blob = assemble(cut_pages(state, 128, keep_tail=False), layout, seq_id=3)
         assert native.set_seq_state(llm.ctx, blob, 3)
         assert native.seq_pos_max(llm.ctx, 3) == 127
         again = parse_state(native.get_seq_state(llm.ctx, 3))
@@ -97,7 +100,9 @@ def test_canonical_batching_makes_cached_logits_equal_a_one_shot_prefill(
     logits then equal plain Llama's one-shot prefill bit for bit (L1 and L3)."""
     import llama_cpp
 
-    kwargs = {"n_ctx": 1024, "n_batch": 64, "n_ubatch": 64, "flash_attn": True, "verbose": False}
+    kwargs: dict[str, Any] = {
+        "n_ctx": 1024, "n_batch": 64, "n_ubatch": 64, "flash_attn": True, "verbose": False
+    }  # fmt: skip
     text = (TEXT * 3).encode()
     settings = Settings(
         page_tokens=32, l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path)}

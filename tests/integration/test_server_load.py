@@ -54,6 +54,7 @@ def cold_answers(smollm2_path: Path) -> list[str]:
             # the server's request defaults (llama_cpp.server's repeat_penalty among them)
             request = CompletionBody(prompt=_prompt(i), max_tokens=MAX_TOKENS, temperature=0)
             out = llm.create_completion(**request.model_dump(exclude=_NOT_MODEL_ARGS))
+            assert isinstance(out, dict)
             answers.append(out["choices"][0]["text"])
         return answers
     finally:

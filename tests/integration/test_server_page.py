@@ -13,6 +13,7 @@ import subprocess
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -91,7 +92,7 @@ def test_status_page_shows_live_numbers(smollm2_path: Path, tmp_path: Path) -> N
             client.completions.create(
                 model="m", prompt=f"{TEXT}\nQ: {question}\nA:", max_tokens=4, temperature=0
             )
-        history = [{"role": "user", "content": "Tell me about lighthouses."}]
+        history: list[Any] = [{"role": "user", "content": "Tell me about lighthouses."}]
         for _ in range(2):
             reply = client.chat.completions.create(
                 model="m", messages=history, max_tokens=6, temperature=0

@@ -10,6 +10,7 @@ from modelhelpers import TEXT, CountingLlama, aligned, short_of_a_boundary
 
 from skippy_llama.config import Settings
 from skippy_llama.costs import CostModel
+from skippy_llama.events import CacheEvent
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.workload import SYSTEM_PROMPT
@@ -72,13 +73,15 @@ def test_interleaved_chats_match_plain_llama_with_a_fraction_of_the_prefill(
     finally:
         cold.close()
 
-    events = []
+    events: list[CacheEvent] = []
     original = skippy.create_chat_completion
 
     def recording(**kwargs: object) -> object:
-        out = original(**kwargs)  # type: ignore[arg-type]
-        events.append(skippy.last_cache_event)
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == events[-1].cached_tokens  # type: ignore[index]
+        out = original(**kwargs)
+        event = skippy.last_cache_event
+        assert event is not None
+        events.append(event)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == event.cached_tokens
         return out
 
     skippy.create_chat_completion = recording  # type: ignore[method-assign]
@@ -137,6 +140,7 @@ def test_a_continued_completion_matches_plain_llama_with_or_without_repair(
         want = plain.create_completion(follow, max_tokens=12, temperature=0.0)
     finally:
         plain.close()
+    assert isinstance(want, dict)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert first is not None and second is not None and second.tier == "l1"
     # a prompt that extends the reply decodes the reply within its own prefill (one batch, as a
@@ -178,6 +182,7 @@ def test_a_reply_left_for_another_prompt_is_repaired_and_reused(smollm2_path: Pa
         want = plain.create_completion(follow, max_tokens=12, temperature=0.0)
     finally:
         plain.close()
+    assert isinstance(want, dict)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert other is not None and back is not None
     # the repair starts at the granule boundary at or before the reply (none is needed where

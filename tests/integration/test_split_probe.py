@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -31,7 +32,7 @@ pytestmark = [
     ),
 ]
 
-KWARGS: dict[str, object] = {"n_ctx": 2048, "n_batch": 512, "flash_attn": False, "verbose": False}
+KWARGS: dict[str, Any] = {"n_ctx": 2048, "n_batch": 512, "flash_attn": False, "verbose": False}
 
 
 def _tokens(n: int) -> list[int]:

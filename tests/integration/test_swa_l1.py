@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.model
 
 # Gemma 3 Q4_K_M's CPU kernels make results depend on the batch split (see
 # SkippyLlama._split_invariant), so reuse ends on n_ubatch boundaries: 100 keeps LONG on one
-KWARGS: dict[str, object] = {
+KWARGS: dict[str, Any] = {
     "n_ctx": 2048,
     "n_batch": 100,
     "n_ubatch": 100,
@@ -53,7 +54,7 @@ def tokens(gemma3_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cold(gemma3_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = llama_cpp.Llama(str(gemma3_path), **KWARGS)  # type: ignore[arg-type]
+    llm = llama_cpp.Llama(str(gemma3_path), **KWARGS)
     yield llm
     llm.close()
 

@@ -49,7 +49,7 @@ def test_a_parked_prefix_survives_a_following_l3_restore(
         event = llm.last_cache_event
         assert event is not None and event.tier == "l3"
         warm = llm.create_completion(first + " again", max_tokens=8, temperature=0.0)
-        assert llm.last_cache_event.tier == "l1"
+        assert llm.last_cache_event is not None and llm.last_cache_event.tier == "l1"
     finally:
         llm.close()
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]

@@ -109,10 +109,11 @@ def test_a_tier_registered_in_a_test_serves_hits_equal_to_cold(
     prompts = [f"{DOC}\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
     cold = ColdLlama(str(smollm2_path), **args)
     try:
-        want = [
-            cold.create_completion(p, max_tokens=12, temperature=0)["choices"][0]["text"]
-            for p in prompts
-        ]
+        want = []
+        for p in prompts:
+            done = cold.create_completion(p, max_tokens=12, temperature=0)
+            assert isinstance(done, dict)
+            want.append(done["choices"][0]["text"])
     finally:
         cold.close()
     # L1 off and L3 off: only the memory tier can serve; the tier needs a pageable layout,

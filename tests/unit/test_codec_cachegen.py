@@ -88,6 +88,7 @@ def test_layer_groups_give_shallow_layers_their_bits() -> None:
 def test_identity_form_round_trips_and_is_checked() -> None:
     params = CacheGenParams((5, 4, 4), (5, 4, 3), group_tokens=64)
     assert CacheGenParams.from_identity(params.identity()) == params
+    bad: object
     for bad in (
         {**params.identity(), "version": 2},
         {**params.identity(), "name": "other"},

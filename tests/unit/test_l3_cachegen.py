@@ -64,6 +64,13 @@ def _record(identity: CacheIdentity, n_pages: int = 3) -> tuple[PrefixRecord, li
     return rec, raws
 
 
+def _stored(store: Any, key: bytes) -> bytes:
+    """What the L3 store holds under ``key`` (it must hold something)."""
+    value = store.get(key)
+    assert value is not None, key
+    return bytes(value)
+
+
 def _tier(directory: Path, **kw: Any) -> DiskTier:
     return DiskTier(settings(directory, **kw), reconcile=False, close_at_exit=False)
 
@@ -86,10 +93,10 @@ def test_writer_encodes_and_reader_decodes_native_pages(tmp_path: Path) -> None:
         keys = [p.key for p in rec.pages]
         store = tier._parts.rw
         for key in keys:
-            stored = store.get(DATA + key)
+            stored = _stored(store, DATA + key)
             assert stored_codec(stored) == "cachegen/1"
             assert len(stored) < 0.6 * len(raws[0])
-        man = Manifest.unpack(store.get(MAN + keys[-1]), keys[-1])
+        man = Manifest.unpack(_stored(store, MAN + keys[-1]), keys[-1])
         assert man.codec == "cachegen/1"
         pages = tier.read(keys)
         assert [len(p) for p in pages] == [len(r) for r in raws]
@@ -141,10 +148,11 @@ def test_unknown_codec_version_is_a_counted_miss(tmp_path: Path) -> None:
         assert tier.record(rec) and tier.flush(10)
         key = rec.pages[0].key
         store = tier._parts.rw
-        stored = bytearray(store.get(DATA + key))
+        stored = bytearray(_stored(store, DATA + key))
         struct.pack_into("<H", stored, 4, cachegen.CODEC_VERSION + 1)  # a later build's page
         # replace it as that build would have written it: metadata digest and size to match
         meta = tier._tree.meta(key)
+        assert meta is not None
         meta.digest = payload_digest(bytes(stored))
         store.set(DATA + key, bytes(stored))
         store.set(META + key, meta.pack())
@@ -163,7 +171,7 @@ def test_cachegen_without_a_qualified_codec_stores_native(tmp_path: Path) -> Non
         assert tier.record(rec) and tier.flush(10)
         keys = [p.key for p in rec.pages]
         for key, raw in zip(keys, raws, strict=True):
-            assert bytes(tier._parts.rw.get(DATA + key)) == raw  # native, exact
+            assert _stored(tier._parts.rw, DATA + key) == raw  # native, exact
         assert tier._parts.counters.get("codec_unqualified") == 3
         assert tier._parts.counters.get("cachegen_pages") == 0
         assert [bytes(p) for p in tier.read(keys)] == raws
@@ -180,7 +188,7 @@ def test_unsupported_pages_of_a_cachegen_identity_store_native(tmp_path: Path) -
         page = dataclasses.replace(rec.pages[0], payload=bytes(bad))
         rec = dataclasses.replace(rec, pages=(page,))
         assert tier.record(rec) and tier.flush(10)
-        assert bytes(tier._parts.rw.get(DATA + page.key)) == bytes(bad)
+        assert _stored(tier._parts.rw, DATA + page.key) == bytes(bad)
         assert tier._parts.counters.get("codec_unqualified") == 1
     finally:
         tier.close()

@@ -146,7 +146,7 @@ def test_pins_of_a_reused_pid_or_past_their_lease_do_not_hold_pages(
     key = b"\x09" * 15  # + one letter of the pin's name: a 16-byte page key
     store = tier._parts.rw
     me, host = os.getpid(), HOST
-    pins = {
+    pins: dict[bytes, dict[str, Any]] = {
         b"\x01" + b"live": {"pid": me, "start": process_start(me), "host": host},
         b"\x01" + b"reused": {"pid": me, "start": "1", "host": host},  # same pid, other process
         b"\x01" + b"expired": {"pid": me, "start": process_start(me), "host": host},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -78,5 +79,5 @@ def test_an_early_stop_waits_for_the_items_already_running() -> None:
 
 def test_run_all_runs_every_task() -> None:
     done: list[int] = []
-    run_all([lambda i=i: done.append(i) for i in range(10)], parallel=True)
+    run_all([functools.partial(done.append, i) for i in range(10)], parallel=True)
     assert sorted(done) == list(range(10))

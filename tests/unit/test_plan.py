@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from skippy_llama.tiers.base import (
     common_prefix,
 )
 from skippy_llama.tiers.records import PrefixRecord
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; the tests also run on 3.10
 
 ROOT = b"r" * 16
 PAGE = 64
@@ -76,7 +79,7 @@ class FakePages:
     takes_records: bool = True
     serving: bool = True
 
-    def hold(self, tokens: np.ndarray) -> FakePages:
+    def hold(self, tokens: np.ndarray) -> Self:
         self.keys.update(page_keys(ROOT, tokens, PAGE))
         return self
 

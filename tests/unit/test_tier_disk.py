@@ -93,7 +93,8 @@ def open_tier(store_dir: Path, tier_at: Any) -> Any:
     """``tier_at`` on ``store_dir`` unless ``directory=`` says otherwise."""
 
     def make(free: int = PLENTY, **kw: Any) -> DiskTier:
-        return tier_at(kw.pop("directory", store_dir), free=free, **kw)
+        tier: DiskTier = tier_at(kw.pop("directory", store_dir), free=free, **kw)
+        return tier
 
     return make
 
@@ -110,6 +111,12 @@ def wait_reconciled(tier: DiskTier, timeout: float = 30.0) -> Any:
         assert time.monotonic() < deadline, "background reconciliation did not finish"
         time.sleep(0.05)
     return tier.reconciliation
+
+
+def _bytes(payload: object) -> bytes:
+    """A test record's page payload (``chain`` makes them bytes)."""
+    assert isinstance(payload, bytes)
+    return payload
 
 
 def record_now(tier: DiskTier, rec: PrefixRecord) -> None:
@@ -211,7 +218,7 @@ def test_round_trip_and_metadata(open_tier: Any) -> None:
     keys = keys_of(rec)
     assert all(tier.contains(k) for k in keys)
     assert tier.read(keys) == [p.payload for p in rec.pages]
-    assert tier.digest(keys[1]) == payload_digest(rec.pages[1].payload)
+    assert tier.digest(keys[1]) == payload_digest(_bytes(rec.pages[1].payload))
     assert tier.digest(b"\x01" * 16) is None
     assert tier.refcount(keys[0]) == 1
     # A longer key list than stored: the stored prefix is served.
@@ -235,7 +242,9 @@ def test_shared_pages_are_stored_once(open_tier: Any) -> None:
     assert tier.refcount(first.pages[0].key) == 2
     (entry,) = status.inventory
     assert (entry.manifests, entry.pages, entry.tokens) == (2, 4, 6 * 128)
-    assert entry.bytes == sum(len(p.payload) for p in first.pages) + len(second.pages[2].payload)
+    assert entry.bytes == sum(len(_bytes(p.payload)) for p in first.pages) + len(
+        _bytes(second.pages[2].payload)
+    )
 
 
 def test_child_index_lists_every_page_with_its_tokens(open_tier: Any) -> None:
