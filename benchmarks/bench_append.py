@@ -8,7 +8,11 @@ document plus four tokens, served in alternating order, ``--reps`` times each (m
 - append:  the L1 prefix is kept (cut on the device) and only the pages past it are read from L3
   and append-imported (``skippy_state_seq_append_data``; the patched, certified path);
 - l3_only: every page of the prefix is read from L3 and restored with one ``set_data`` (the stock
-  path, taken on the same library by turning append plans off).
+  path, taken on the same library by a verdict without the ``append_import_exact`` lane: the
+  planner's ``Prompt.can_append`` is off, as on an uncertified or stock build).
+
+Each measured request must have been served the way its arm says (append: an L1 prefix and
+appended pages; l3_only: neither), or the benchmark stops: both arms must measure what they name.
 
 TTFT is the request's time to its first token (lookup, L3 reads, restore, the suffix's prefill);
 the logits of both ways are compared with each other bit for bit. Needs the patched library
@@ -22,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -77,6 +82,16 @@ def main() -> int:
         prompt = doc + tail
         setup = doc[: args.short] + other
         verdict = llm.native_verdict
+        if not verdict.append_import:
+            print(f"bench_append: the append import is not certified here ({verdict.describe()})",
+                  file=sys.stderr)  # fmt: skip
+            llm.close()
+            return 2
+        # the same verdict without the append lane: what an uncertified build plans with
+        no_append = dataclasses.replace(
+            verdict, lanes=tuple(lane for lane in verdict.lanes if lane != "append_import_exact")
+        )
+        assert not no_append.append_import
         llm.create_completion(prompt, max_tokens=1)  # cold: L3 records the document's pages
         assert llm.prefix_cache.disk is not None and llm.prefix_cache.disk.flush()
         runs: dict[str, list[dict[str, Any]]] = {"append": [], "l3_only": []}
@@ -85,11 +100,14 @@ def main() -> int:
             order = ("append", "l3_only") if rep % 2 == 0 else ("l3_only", "append")
             for mode in order:
                 llm.create_completion(setup, max_tokens=1)  # the live L1 prefix: short tokens
-                enabled = mode == "append"
-                llm._can_append = lambda enabled=enabled: enabled and verdict.append_import  # type: ignore[method-assign]
+                # the verdict SkippyLlama read at load (its ``native_verdict``), swapped per arm
+                llm._verdict = verdict if mode == "append" else no_append
                 llm.create_completion(prompt, max_tokens=1)
                 event = llm.last_cache_event
-                assert event is not None
+                assert event is not None and event.tier == "l3", event
+                appended = event.l1_tokens > 0 and event.appended_tokens > 0
+                if appended != (mode == "append"):
+                    raise SystemExit(f"bench_append: the {mode} arm was served otherwise: {event}")
                 logits.setdefault(mode, _logits(llm))
                 runs[mode].append({k: getattr(event, k) for k in FIELDS})
                 print(

@@ -1,34 +1,51 @@
 #!/usr/bin/env python
-"""Issue 34 benchmark: ``skippy-llama serve`` out of the box against ``llama_cpp.server``.
+"""The serving benchmark: ``skippy-llama serve`` against ``python -m llama_cpp.server``.
 
-What a new user would try: the servers with no flags beyond the model and ``n_ctx`` (and the
-same thread count for all), ``users`` chat users x ``turns`` turns through the official
-``openai`` client, streamed, greedy, ``max_tokens`` 32, each user with their own ~600-token
-system prompt (no prefix shared between users beyond the chat template's first tokens), turns
-interleaved round-robin (every user's turn 1, then every turn 2, ...), one request at a time.
-``--think SECONDS`` leaves that gap after every reply (0, the default: back to back).
+``users`` chat users x ``turns`` turns through the official ``openai`` client, streamed, greedy
+(``--max-tokens``, default 32), turns interleaved round-robin (every user's turn 1, then every
+turn 2, ...), one request at a time; each turn sends the whole history, the replies included.
+``--think SECONDS`` leaves that gap after every reply (a user reading and typing; 0, the default:
+back to back, so the server's idle work never runs). TTFT and request times never include it;
+``wall_s`` does, ``request_sum_s`` does not. The system prompts (``--system``):
 
-Contenders, each a server process the benchmark starts, one after the other:
+* ``own`` (default)  each user has their own ~600-token system prompt (no prefix shared between
+                     users beyond the chat template's first tokens): what a new user would try;
+* ``shared``         every user shares one system prompt (a ~170-token story plus instructions),
+                     the workload of issue 11's runs (``bench_server.py`` before the two merged).
 
-* ``llama_cpp``        ``python -m llama_cpp.server --cache false``: the reference outputs;
+Contenders, each a server process the benchmark starts, one after the other (never two at once),
+with no flags beyond the model, ``--n-ctx`` and the same thread count for all:
+
+* ``llama_cpp``        ``python -m llama_cpp.server --cache false``: the reference outputs (it
+                       still reuses the prefix it has live in its context);
 * ``llama_cpp_cache``  ``python -m llama_cpp.server --cache true --cache_type ram`` (its 2 GiB
                        LlamaRAMCache);
 * ``skippy``           ``skippy-llama serve`` with its defaults (``--memory-budget`` 2GiB);
-* ``skippy_noidle``    (with ``--only``) the defaults plus ``--idle-repair-after 0``;
+* ``skippy_noidle``    (with ``--only``) the defaults plus ``--idle-repair-after 0``: no idle
+                       work, so each chat's next turn decodes its previous reply in its prefill;
+* ``skippy_tiers``     (with ``--only``) the defaults plus L2 (256 MiB) and a fixed 1 GiB L3 on a
+                       fresh directory;
 * ``skippy_prev``      (with ``--only``) the defaults before issue 34: resident prefixes of at
                        most ``n_ctx`` tokens in all (``SKIPPY_L1__BUDGET_TOKENS=n_ctx``, 16 slots).
 
-Per contender: TTFT p50/p95 (client side: request sent -> first streamed chunk), wall time of the
-whole workload, requests summed, the server's peak RSS (``VmHWM`` before it stops), and every
-reply's SHA-256 compared with ``llama_cpp``'s. Then ``--oneshot N`` prompts of ~600 tokens that
-share nothing (completions, streamed, 32 tokens) go to ``llama_cpp`` and ``skippy``: the cost of
-the cache where nothing is reused.
+Per contender: TTFT p50/p95 (client side: request sent -> first streamed chunk; both servers send
+their first chat chunk with the first generated token), wall time of the whole workload, requests
+summed, the server's peak RSS (``VmHWM`` before it stops), every reply's SHA-256 compared with
+``llama_cpp``'s, and each ``skippy`` contender's TTFT p50 and requests against the best
+``llama_cpp.server``. Each server first answers one warm-up request the workload does not use.
+For skippy the server's own view of every request (tier, restore and TTFT in the server) is read
+from ``/status.json`` before the server stops. Then ``--oneshot N`` prompts of ~600 tokens that
+share nothing (completions, streamed) go to ``llama_cpp`` and ``skippy``: the cost of the cache
+where nothing is reused.
 
 The machines these ran on are shared: compare contenders within one run (ratios), not across
 runs. Usage::
 
     .venv/bin/python benchmarks/bench_serve.py --out benchmarks/results/serve-b2b.json
     .venv/bin/python benchmarks/bench_serve.py --think 1.0 --out benchmarks/results/serve-think.json
+    .venv/bin/python benchmarks/bench_serve.py --system shared --n-ctx 4096 --max-tokens 16 \
+        --oneshot 0 --think 1.0 --only llama_cpp llama_cpp_cache skippy skippy_noidle \
+        --out benchmarks/results/server-think.json
     .venv/bin/python benchmarks/bench_serve.py --users 2 --turns 2 --oneshot 2 --out /tmp/s.json
 """
 
@@ -65,10 +82,20 @@ ASKS = ["Tell me about {t}.", "Why does {t} matter?", "What happened with {t} at
         "Who else knew about {t}?", "Is {t} still there today?", "Summarize {t} in five words.",
         "What would a sailor say about {t}?", "How old is the story of {t}?"]  # fmt: skip
 DEFAULTS = ("llama_cpp", "llama_cpp_cache", "skippy")
+#: ``--system shared``: one system prompt for every user
+SHARED_SYSTEM = (
+    "You are the archivist of a small coastal museum. Answer visitors in one or two short "
+    "sentences, using the story below.\n\n" + TEXT
+)
+TIER_FLAGS = ("--l2-budget", "256MiB", "--l3-mode", "fixed", "--l3-budget", "1GiB",
+              "--l3-minimum-free", "1GiB")  # fmt: skip
 
 
-def system_prompt(user: int, words: int = 450) -> str:
-    """About 600 tokens of its own for each user: the story's sentences in a per-user order."""
+def system_prompt(user: int, shared: bool = False, words: int = 450) -> str:
+    """About 600 tokens of its own for each user: the story's sentences in a per-user order;
+    ``shared``: the one system prompt every user shares."""
+    if shared:
+        return SHARED_SYSTEM
     rng = random.Random(user)
     head = (
         f"You are guide number {user + 1} of the lighthouse museum, in charge of "
@@ -91,7 +118,7 @@ def question(user: int, turn: int) -> str:
 
 
 def contenders(
-    model: Path, n_ctx: int, threads: int
+    model: Path, n_ctx: int, threads: int, scratch: Path
 ) -> dict[str, tuple[list[str], dict[str, str]]]:
     py = sys.executable
     upstream = [py, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", str(n_ctx),
@@ -104,6 +131,7 @@ def contenders(
         "llama_cpp_cache": ([*upstream, "--cache", "true", "--cache_type", "ram"], {}),
         "skippy": (skippy, {}),
         "skippy_noidle": ([*skippy, "--idle-repair-after", "0"], {}),
+        "skippy_tiers": ([*skippy, *TIER_FLAGS, "--l3-dir", str(scratch / "l3")], {}),
         "skippy_prev": (
             skippy,
             {"SKIPPY_L1__BUDGET_TOKENS": str(n_ctx), "SKIPPY_L1__MAX_PREFIXES": "16"},
@@ -175,7 +203,10 @@ def run_contender(
             model="m", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4,
             temperature=0,
         )  # fmt: skip
-        histories = [[{"role": "system", "content": system_prompt(u)}] for u in range(args.users)]
+        shared = args.system == "shared"
+        histories = [
+            [{"role": "system", "content": system_prompt(u, shared)}] for u in range(args.users)
+        ]
         load_before = os.getloadavg()
         started = time.perf_counter()
         for turn in range(args.turns):
@@ -276,6 +307,14 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
             row["turns_prepared"] = counters.get("turns_prepared")
             row["parked_ahead"] = counters.get("parked_ahead")
         out[name] = row
+    upstream = [n for n in ("llama_cpp", "llama_cpp_cache") if n in runs]
+    if upstream:
+        best = min(runs[n]["ttft"]["p50_s"] for n in upstream)
+        fastest = min(runs[n]["request_sum_s"] for n in upstream)
+        for name, run in runs.items():
+            if name.startswith("skippy"):
+                out[name]["ttft_p50_vs_best_llama_cpp"] = round(run["ttft"]["p50_s"] / best, 3)
+                out[name]["requests_vs_best_llama_cpp"] = round(run["request_sum_s"] / fastest, 3)
     if ref is not None and "oneshot" in ref:
         for name in ("skippy",):
             if name in runs and "oneshot" in runs[name]:
@@ -309,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--think", type=float, default=0.0, help="seconds after every reply")
+    parser.add_argument(
+        "--system", choices=("own", "shared"), default="own", help="system prompt per user or one"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
@@ -325,15 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(),
                     "note": "shared machine: compare contenders within this run only"},
-        "users": args.users, "turns": args.turns, "think_s": args.think,
+        "users": args.users, "turns": args.turns, "think_s": args.think, "system": args.system,
         "max_tokens": args.max_tokens, "n_ctx": args.n_ctx, "threads": args.threads,
         "oneshot": args.oneshot, "model": str(model), "contenders": {},
     }  # fmt: skip
-    table = contenders(model, args.n_ctx, args.threads)
-    unknown = set(args.only) - set(table)
-    if unknown:
-        parser.error(f"unknown contenders {sorted(unknown)}; choose from {sorted(table)}")
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as scratch:
+        table = contenders(model, args.n_ctx, args.threads, Path(scratch))
+        unknown = set(args.only) - set(table)
+        if unknown:
+            parser.error(f"unknown contenders {sorted(unknown)}; choose from {sorted(table)}")
         for name in args.only:
             cmd, env = table[name]
             print(f"bench_serve: {name} ...", file=sys.stderr, flush=True)

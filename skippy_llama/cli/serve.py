@@ -116,7 +116,7 @@ def register(sub: Any) -> None:
 
 
 #: L1 settings a server runs with unless a flag, variable or file sets them (measured with
-#: bench_server.py, 8 interleaved chat users; benchmarks/experiments/NOTEBOOK.md "Serving"):
+#: bench_serve.py --system shared, 8 interleaved chat users; benchmarks/experiments/NOTEBOOK.md "Serving"):
 #:
 #: * ``max_prefixes`` 16: one resident prefix per conversation served in turn (the library's 4
 #:   made a fifth interleaved user evict the first: TTFT p50 0.96x against 0.34x the best

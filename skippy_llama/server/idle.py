@@ -3,7 +3,7 @@ reuses it (:meth:`SkippyLlama.prepare_next_turn`).
 
 A served chat's next turn extends the reply just generated; its cells came from single-token
 decodes, which an exact cache cannot reuse, so the turn would prefill the reply again (median 15
-of 40 tokens per turn in ``bench_server.py``). Users take seconds to type, so the server does it
+of 40 tokens per turn in ``bench_serve.py --system shared``). Users take seconds to type, so the server does it
 in that gap: once no request has started or finished for ``after`` seconds, it takes the model
 through llama_cpp.server's own lock, re-decodes the reply as one batch and checkpoints the chat
 (so the next user's request need not checkpoint it before restoring its own). A request that
