@@ -255,7 +255,7 @@ cmd_test() {
         N_GPU_LAYERS="$ngl" N_BATCH="${GPU_UBATCH:-64}" N_UBATCH="${GPU_UBATCH:-64}" \
         N_THREADS="$threads" N_THREADS_BATCH="$threads" \
         LLCPP_FORCE_NGL="$ngl" LLCPP_FORCE_UBATCH="${GPU_UBATCH:-64}" LLCPP_FORCE_THREADS="$threads" \
-        timeout "${GPU_TEST_S:-3000}" "$PY" -m pytest -q -p no:cacheprovider -rs "${mine[@]}" \
+        timeout "${GPU_TEST_S:-3000}" "$PY" -m pytest -q -p no:cacheprovider -rs -m "" "${mine[@]}" \
         > "$OUT/tests_ngl${ngl}_lane$lane.log" 2>&1) &
       pids+=($!)
     done
