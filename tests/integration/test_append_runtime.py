@@ -155,6 +155,7 @@ def test_live_prefix_continued_by_l3_pages(
     assert np.array_equal(got, cold_logits(cold, prompt))
 
 
+@pytest.mark.slow
 def test_resident_prefix_continued_by_l3_pages(
     open_llm: Callable[..., SkippyLlama], tokens: list[int], filled: Path, cold: llama_cpp.Llama
 ) -> None:
@@ -256,6 +257,7 @@ def test_a_restore_in_one_page_chunks_equals_cold(
     assert np.array_equal(got, cold_logits(cold, prompt))
 
 
+@pytest.mark.slow
 @pytest.mark.certified_backend
 @pipelined
 def test_an_l1_prefix_continued_in_chunks_equals_cold(
@@ -279,6 +281,7 @@ def test_an_l1_prefix_continued_in_chunks_equals_cold(
     assert np.array_equal(got, cold_logits(cold, prompt))
 
 
+@pytest.mark.slow
 @pytest.mark.certified_backend
 @pipelined
 def test_chunks_promoted_to_l2_serve_the_next_restore(
@@ -312,6 +315,7 @@ def test_chunks_promoted_to_l2_serve_the_next_restore(
     assert all(np.array_equal(got, expected) for _, got in answers)
 
 
+@pytest.mark.slow
 @pytest.mark.certified_backend
 @pipelined
 def test_a_damaged_page_ends_the_pipelined_restore_before_it(
@@ -339,6 +343,7 @@ def test_a_damaged_page_ends_the_pipelined_restore_before_it(
     assert np.array_equal(got, cold_logits(cold, prompt))
 
 
+@pytest.mark.slow
 @pytest.mark.certified_backend
 @pipelined
 @pytest.mark.parametrize("chunked", [True, False])

@@ -24,7 +24,8 @@ from typing import Any, cast
 import pytest
 from modelhelpers import TEXT
 
-pytestmark = pytest.mark.model
+# Ray clusters, actors killed mid-shard: minutes on 2 cores (the default run leaves them out)
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 DOCS = {
     "light": TEXT,

@@ -32,7 +32,8 @@ from skippy_llama.costs import CostModel
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 
-pytestmark = pytest.mark.model
+# long random scripts on two models each: the longest file of the suite (minutes per test)
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 N_CTX = 1024
 #: Texts whose prefixes the prompts share: cut at random words, so prompts branch anywhere.

@@ -87,6 +87,7 @@ def unreferenced_files(store: Path) -> list[str]:
     return sorted(on_disk - named)
 
 
+@pytest.mark.slow
 def test_sigkill_during_records_never_serves_a_half_written_page(tmp_path: Path) -> None:
     store, log = tmp_path / "l3", tmp_path / "attempted.log"
     rng = random.Random(20261204)
@@ -180,6 +181,7 @@ def test_a_full_disk_mid_write_turns_l3_read_only_and_corrupts_nothing(tmp_path:
     assert all(done["recorded"]) and done["check"]["served"] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_real_writer_killed_mid_record_leaves_a_store_that_serves_exactly(
     smollm2_path: Path, reference: list[str], tmp_path: Path

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.model
+# one `skippy-llama matrix --small` run serves every test here: minutes on 2 cores
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,7 @@ def _read_text(response: Any) -> str:
     return text
 
 
+@pytest.mark.slow
 def test_32_streams_get_an_answer_or_a_prompt_503_and_never_another_requests_tokens(
     server: ServerProcess, cold_answers: list[str]
 ) -> None:
