@@ -144,6 +144,7 @@ def test_completions_equal_direct_calls_and_reuse_the_prefix(
     assert got.usage.prompt_tokens_details.cached_tokens > 100
 
 
+@pytest.mark.slow
 def test_chat_turns_grow_cached_tokens_and_equal_direct_calls(
     server: ServerProcess, direct: SkippyLlama
 ) -> None:
@@ -408,6 +409,7 @@ def test_shutdown_flushes_l3_and_a_restart_restores_from_it(
     assert recent[-1]["tier"] == "l3"
 
 
+@pytest.mark.slow
 def test_serve_a_package_uses_its_kv_dtype_and_equals_direct_calls(
     smollm2_path: Path, tmp_path: Path
 ) -> None:
