@@ -155,8 +155,8 @@ def test_ttft_and_readme_rows_pair_each_round_with_plains() -> None:
     assert "| doc_questions | skippy | 0.468 s | **1.04×** (1.04–1.04) |" in ttft
     assert "| doc_questions | skippy_l3 | 0.225 s | **0.50×** (0.50–0.50) |" in ttft
     assert "| chat |" not in ttft
-    (row,) = table.readme_rows(rounds, "benchmarks/results/x.json")
-    assert row.startswith("| same document, next question as completions: TTFT / total vs ")
-    assert "(defaults / L3 on), median of 2 rounds" in row
-    assert "**1.04× / 1.04×; 0.50× / 0.50×**, last requests 1.04× / 1.04×; 0.50× / 0.50×" in row
-    assert "([result](benchmarks/results/x.json))" in row
+    (readme,) = table.readme_rows(rounds, "benchmarks/results/x.json")
+    assert readme.startswith("| same document, next question as completions: TTFT / total vs ")
+    assert "(defaults / L3 on), median of 2 rounds" in readme
+    assert "**1.04× / 1.04×; 0.50× / 0.50×**, last requests 1.04× / 1.04×; 0.50× / 0.50×" in readme
+    assert "([result](benchmarks/results/x.json))" in readme

@@ -164,7 +164,7 @@ def test_a_prefix_in_flight_to_l3_is_a_hit_with_cold_outputs(
     prompts = [doc_a, doc_b, doc_b, doc_a]
     plain = Llama(str(smollm2_path), n_ctx=1024, verbose=False)
     try:
-        cold = []
+        cold: list[Any] = []
         for prompt in prompts:
             plain.reset()
             cold.append(plain.create_completion(prompt, max_tokens=8, temperature=0.0))

@@ -21,6 +21,7 @@ from skippy_llama.identity import CacheIdentity, ModelIdentity
 from skippy_llama.plan import PageRef, Prompt, RestoreOutcome, RestorePlan
 from skippy_llama.state import assemble, page_from_bytes, parse_state
 from skippy_llama.tiers.disk import DiskTier
+from skippy_llama.tiers.records import PrefixRecord
 
 SPEC = Spec(n_layer=2, n_embd_k=16, n_embd_v=16, v_trans=True)
 CONTENT = make_content(SPEC, 700, seed=3)
@@ -177,7 +178,12 @@ def test_a_prefix_whose_record_waits_for_the_writer_is_planned_and_served(
     assert disk is not None
     gate = threading.Event()
     real_write = disk._writer._write
-    disk._writer._write = lambda rec: (gate.wait(10), real_write(rec))  # type: ignore[func-returns-value]
+
+    def gated(rec: PrefixRecord) -> None:
+        gate.wait(10)
+        real_write(rec)
+
+    disk._writer._write = gated  # type: ignore[method-assign]
     try:
         other = prompt(0, 200, seed=7)
         plan = cache.plan_record(other, len(other))
