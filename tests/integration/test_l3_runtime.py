@@ -268,6 +268,7 @@ def test_restart_restores_prompts_from_l3_with_cache_off_outputs(
     assert mine["writes"] == 0  # everything B needed was already stored
 
 
+@pytest.mark.slow
 def test_uncompressed_pages_restore_from_the_reused_read_buffer(
     smollm2_path: Path, tmp_path: Path, reference: list[str]
 ) -> None:
@@ -287,6 +288,7 @@ def test_uncompressed_pages_restore_from_the_reused_read_buffer(
     assert mine["bytes_read"] >= restored * 0.95
 
 
+@pytest.mark.slow
 def test_records_cut_after_later_requests_captured_restore_exact_outputs(
     smollm2_path: Path, tmp_path: Path, reference: list[str]
 ) -> None:
