@@ -30,6 +30,7 @@ def test_loads_and_generates(family: str, synthetic_models: dict[str, Path]) -> 
         assert (llm._is_recurrent, llm._is_hybrid) == _KIND[family]
         first = llm("The cat sat on", max_tokens=6, temperature=0.0)
         again = llm("The cat sat on", max_tokens=6, temperature=0.0)
+        assert isinstance(first, dict) and isinstance(again, dict)
         assert first["usage"]["completion_tokens"] >= 1
         assert first["choices"][0]["text"] == again["choices"][0]["text"]
     finally:
