@@ -62,12 +62,17 @@ class AdmissionPolicy:
 
     Args:
         costs: the shared cost model (the orchestrator feeds it); a new one by default.
+        tier: the name of the tier it admits into: a record's restore is priced by the rate
+            of the restores that tier served (L3's, not the network's or RAM's).
         min_score: admit when ``score > min_score`` (seconds saved per byte, weighted by reuse).
             0 admits every record whose restore is expected to beat its prefill.
     """
 
-    def __init__(self, costs: CostModel | None = None, *, min_score: float = 0.0) -> None:
+    def __init__(
+        self, costs: CostModel | None = None, *, tier: str = "l3", min_score: float = 0.0
+    ) -> None:
         self.costs = costs if costs is not None else CostModel()
+        self.tier = tier
         self.min_score = min_score
         self._recorded = 0
         self._reused = 0
@@ -97,7 +102,7 @@ class AdmissionPolicy:
     ) -> float | None:
         """The admission score, ``math.inf`` for a record that adds no bytes, None if unmeasured."""
         cold = self.costs.cold_cost(n_tokens)
-        restore = self.costs.restore_cost(total_bytes)
+        restore = self.costs.restore_cost(total_bytes, tier=self.tier)
         if cold is None or restore is None:
             return None
         benefit = reuse_probability * max(cold - restore, 0.0)
@@ -127,7 +132,7 @@ class AdmissionPolicy:
         elif value == math.inf:
             decision = AdmissionDecision(True, "no_new_bytes", value)
         elif value <= 0.0 and (self.costs.cold_cost(n_tokens) or 0.0) <= (
-            self.costs.restore_cost(total_bytes) or 0.0
+            self.costs.restore_cost(total_bytes, tier=self.tier) or 0.0
         ):
             decision = AdmissionDecision(False, "no_benefit", value)
         elif value > self.min_score:

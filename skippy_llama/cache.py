@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,12 +30,20 @@ from .identity import CacheIdentity, chain_key, token_bytes
 from .plan import FetchedPage, PageRef, Planner, Prompt, RestoreOutcome, RestorePlan
 from .prefetch import Prefetcher, PrefetchResult
 from .state import SequenceState, slice_state, sort_by_position
-from .tiers.base import PageTier, PathStep, ResidentTier, Tier, walk
+from .tiers.base import (
+    PageTier,
+    ParkPlan,
+    PathStep,
+    PrefetchTier,
+    ResidentTier,
+    Tier,
+    walk,
+)
 from .tiers.l3.tier import DiskTier
 from .tiers.l3.trace import TraceWriter
 from .tiers.ram import RamTier
 from .tiers.records import PageBlob, PendingPayload, PrefixRecord
-from .tiers.resident import ParkPlan, ResidentIndex
+from .tiers.resident import ResidentIndex
 
 Tokens = npt.NDArray[np.int32]
 
@@ -84,6 +92,8 @@ class PrefixCache:
         self._counters = CacheCounters()
         # the counters are written from the request thread and from prefetches on others
         self._count_lock = threading.Lock()
+        #: the resident tier (L1), if any: parks and checkpoint restores go through it
+        self._l1 = next((t for t in self.tiers if isinstance(t, ResidentTier)), None)
         self._prefetcher = Prefetcher(self)
         takes = [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records]
         self.trace = TraceWriter.from_settings(trace_file, page_tokens) if takes else None
@@ -196,6 +206,8 @@ class PrefixCache:
                 hit = is_hit(outcome.n_tokens, len(prompt.tokens))
                 _bump(counters.hits if hit else counters.short_matches, outcome.tier)
             counters.restores_skipped += int(bool(planned.skipped))
+            # the planner kept no park (park_plan counts the rest)
+            counters.park_skipped += int(bool(planned.park_skipped))
             for fault in outcome.faults:
                 _bump(counters.fallbacks, fault)
         for name in planned.searched:
@@ -203,20 +215,25 @@ class PrefixCache:
             if isinstance(tier, PageTier):
                 tier.note_miss()
         served = outcome.plan
-        resident = self.tier("l1")
-        if served.seq_id is not None and isinstance(resident, ResidentTier):
-            resident.touch(served.seq_id)
+        if served.seq_id is not None and self._l1 is not None:
+            self._l1.touch(served.seq_id)
         if outcome.fetched:
             if not outcome.promoted:
                 self.promote(outcome.fetched, outcome.n_tokens)
-            moved = outcome.restored_bytes
-            self.costs.observe_restore(moved, outcome.restore_s, ram=outcome.tier == "l2")
+            # booked to the deepest tier that served: its reads dominate the restore's time
+            served_by = self._deepest(page.tier for page in outcome.fetched)
+            self.costs.observe_restore(outcome.restored_bytes, outcome.restore_s, tier=served_by)
         elif served.seq_id is not None and outcome.restored:
             self.costs.observe_checkpoint_restore(outcome.restore_s)
         if self.trace is not None:
             self.trace.lookup(
                 self.root, prompt.tokens, planned.limit, outcome.n_tokens, outcome.tier, self.costs
             )
+
+    def _deepest(self, names: Iterable[str]) -> str:
+        """Of tier ``names``, the one latest in the cache's order (the most expensive)."""
+        order = {t.name: i for i, t in enumerate(self.tiers)}
+        return max(names, key=lambda name: order.get(name, -1))
 
     def promote(self, fetched: Sequence[FetchedPage], prefix_tokens: int) -> None:
         """Offer pages fetched from a deeper tier to the shallower page tiers (L3 -> L2), for a
@@ -228,6 +245,14 @@ class PrefixCache:
                 if isinstance(tier, PageTier):
                     tier.promote(page.key, page.payload, prefix_tokens)
 
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether the cache has a tier :meth:`prefetch` fills (L2) and a page tier after it to
+        read from (whether they serve now, each prefetch asks)."""
+        tiers = [t for t in self.tiers if isinstance(t, PageTier)]
+        target = next((t for t in tiers if isinstance(t, PrefetchTier)), None)
+        return target is not None and target is not tiers[-1]
+
     def prefetch(
         self,
         tokens: Sequence[int] | Tokens,
@@ -235,20 +260,27 @@ class PrefixCache:
         stop: Callable[[], bool] | None = None,
         skip: int = 0,
     ) -> PrefetchResult:
-        """Copy the L3 pages of ``tokens``' stored prefix that L2 lacks into L2, ahead of the
-        request that will want them (see :mod:`skippy_llama.prefetch`).
+        """Copy the pages of ``tokens``' stored prefix that the prefetch tier (L2) lacks into
+        it from the deeper page tiers (L3, remote), ahead of the request that will want them
+        (see :mod:`skippy_llama.prefetch`).
 
         Safe on any thread beside a request: it touches neither llama.cpp nor L1. Never
         raises: a tier fault ends it as a counted miss (``prefetch_misses``). A no-op
-        (``stopped == "off"``) when L2 or L3 is off.
+        (``stopped == "off"``) without a tier to fill and one to read (:attr:`can_prefetch`).
 
         Args:
             tokens: the prompt's tokens, as the request will tokenize it.
-            stop: asked before each L3 read; once it returns True the prefetch ends there.
+            stop: asked before each read; once it returns True the prefetch ends there.
             skip: leading tokens the request will find elsewhere (a batch's next item shares
                 them with the live sequence): pages wholly inside them are not read.
         """
         return self._prefetcher(tokens, stop, skip)
+
+    def resident_tokens(self, prompt: Prompt) -> int:
+        """Leading tokens of ``prompt`` the live sequence or L1 would serve now: the planner's
+        answer without the page tiers (no side effects)."""
+        pages = frozenset(t.name for t in self.tiers if isinstance(t, PageTier))
+        return self.planner.plan(prompt, exclude=pages).n_tokens
 
     def fallback(self, reason: str) -> None:
         """Count a fault outside a restore (a record, a park) that was turned into nothing."""
@@ -262,7 +294,7 @@ class PrefixCache:
             counters.prefetches += 1
             counters.prefetched_pages += result.pages
             counters.prefetched_bytes += result.bytes
-            counters.prefetch_misses += int(result.stopped in ("l3_miss", "error"))
+            counters.prefetch_misses += int(result.stopped in ("miss", "error"))
 
     def count_prepared(self, tokens: int) -> None:
         """Count a reply re-decoded between requests, ``tokens`` of it."""
@@ -284,22 +316,32 @@ class PrefixCache:
     # -- L1 parking ----------------------------------------------------------------------
 
     def park_plan(self, tokens: Tokens) -> ParkPlan | None:
-        """Where to checkpoint ``tokens`` in L1, or None when it would not pay or fit."""
-        resident = self.resident
+        """Where to checkpoint ``tokens`` in L1, or None when it would not pay or fit (counted
+        in ``park_skipped``). The runtime then checkpoints and calls :meth:`commit_park`, or
+        :meth:`abandon_park` when the checkpoint failed."""
+        resident = self._l1
         if resident is None or len(tokens) == 0:
             return None
-        plan = resident.plan_park(tokens) if self.costs.park_pays(len(tokens)) else None
+        pays = self.costs.park_pays(len(tokens))
+        plan = resident.plan_park(self.root, tokens) if pays else None
         if plan is None:
             with self._count_lock:
                 self._counters.park_skipped += 1
         return plan
 
-    def commit_park(self, plan: ParkPlan, tokens: Tokens, handle: bytes) -> None:
-        """``plan`` was carried out: ``tokens[:plan.n_tokens]`` are resident."""
-        assert self.resident is not None
-        self.resident.commit_park(plan, self.root, tokens, handle)
+    def commit_park(self, plan: ParkPlan, tokens: Tokens, handle: bytes, seconds: float) -> None:
+        """``plan`` was carried out in ``seconds``: ``tokens[:plan.n_tokens]`` are resident,
+        restored by ``handle``; the park's time feeds the cost model."""
+        assert self._l1 is not None
+        self._l1.commit_park(plan, self.root, tokens, handle)
+        self.costs.observe_park(seconds)
         with self._count_lock:
             self._counters.parked += 1
+
+    def abandon_park(self, plan: ParkPlan) -> None:
+        """``plan`` failed part way: L1 forgets the slots it touched."""
+        if self._l1 is not None:
+            self._l1.abandon_park(plan)
 
     # -- recording ------------------------------------------------------------------------
 

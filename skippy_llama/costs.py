@@ -5,7 +5,10 @@ model, so each rate has one estimator, fed at one point:
 
 - ``prefill_seconds_per_token``: every prefill the runtime times (short ones are ignored: fixed
   per-call costs would dominate the rate);
-- ``restore_seconds_per_byte`` / ``ram_restore_seconds_per_byte``: restores of L3 / L2 pages;
+- ``restore_rates``: seconds per byte of page restores, per tier name (``l2``, ``l3``,
+  ``remote`` ...): each tier has its own rate, fed by the restores it served (a restore of pages
+  from several tiers is booked to the deepest, whose reads dominate), so a slow network never
+  makes the disk look slow;
 - ``checkpoint_restore_seconds`` / ``park_seconds``: L1 device checkpoints, whose state calls
   have a fixed cost that does not shrink with the prefix on GPU builds (measured on an H200:
   ~60 ms for 64 or 4,096 tokens, one synchronized copy per layer's K and V).
@@ -39,12 +42,11 @@ class CostModel:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.prefill_seconds_per_token: float | None = None
-        #: restores that read L3 page files (what admission and eviction weigh, and what the
-        #: store keeps across restarts)
-        self.restore_seconds_per_byte: float | None = None
-        #: restores served wholly from L2's host RAM: several times faster than L3 on a GPU
-        #: build, so one shared rate would make L3's cost refuse L2 hits that beat a prefill
-        self.ram_restore_seconds_per_byte: float | None = None
+        #: seconds per restored byte, by the name of the (deepest) tier that served the pages:
+        #: host RAM is several times faster than a disk on a GPU build and a network slower, so
+        #: one shared rate would refuse RAM hits that beat a prefill, or blame the disk for the
+        #: network (L3 keeps its own across restarts: ``tiers/l3/learned.py``)
+        self.restore_rates: dict[str, float] = {}
         #: one L1 device-checkpoint restore, and one park (checkpoint) of a prefix
         self.checkpoint_restore_seconds: float | None = None
         self.park_seconds: float | None = None
@@ -68,20 +70,13 @@ class CostModel:
                 self.prefill_seconds_per_token, seconds / tokens
             )
 
-    def observe_restore(self, n_bytes: int, seconds: float, *, ram: bool = False) -> None:
+    def observe_restore(self, n_bytes: int, seconds: float, *, tier: str) -> None:
         """A restore (read + assemble + set_data) of ``n_bytes`` of pages took ``seconds``;
-        ``ram``: every page came from L2."""
+        ``tier``: the name of the deepest tier that served them (only its rate changes)."""
         if n_bytes <= 0 or not self._valid(seconds):
             return
         with self._lock:
-            if ram:
-                self.ram_restore_seconds_per_byte = self._ewma(
-                    self.ram_restore_seconds_per_byte, seconds / n_bytes
-                )
-            else:
-                self.restore_seconds_per_byte = self._ewma(
-                    self.restore_seconds_per_byte, seconds / n_bytes
-                )
+            self.restore_rates[tier] = self._ewma(self.restore_rates.get(tier), seconds / n_bytes)
 
     def observe_checkpoint_restore(self, seconds: float) -> None:
         """Restoring one L1 checkpoint into the working sequence took ``seconds``."""
@@ -101,28 +96,30 @@ class CostModel:
 
     @property
     def measured(self) -> bool:
-        """True once both a prefill and an L3 restore have been observed."""
-        return (
-            self.prefill_seconds_per_token is not None and self.restore_seconds_per_byte is not None
-        )
+        """True once a prefill and a restore (from any tier) have been observed."""
+        return self.prefill_seconds_per_token is not None and bool(self.restore_rates)
+
+    def restore_rate(self, tier: str) -> float | None:
+        """Seconds per byte of restores ``tier`` served, or None before one was measured."""
+        return self.restore_rates.get(tier)
 
     def cold_cost(self, tokens: int) -> float | None:
         """Estimated seconds to prefill ``tokens`` from scratch, or None before any measurement."""
         rate = self.prefill_seconds_per_token
         return None if rate is None else rate * tokens
 
-    def restore_cost(self, n_bytes: int, *, ram: bool = False) -> float | None:
-        """Estimated seconds to restore ``n_bytes`` of pages (``ram``: all from L2), or None
-        before any such restore was measured."""
-        rate = self.ram_restore_seconds_per_byte if ram else self.restore_seconds_per_byte
+    def restore_cost(self, n_bytes: int, *, tier: str) -> float | None:
+        """Estimated seconds to restore ``n_bytes`` of pages whose deepest source is ``tier``,
+        or None before such a restore was measured."""
+        rate = self.restore_rate(tier)
         return None if rate is None else rate * n_bytes
 
     # -- the rules the planner asks -------------------------------------------------------
 
-    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, ram: bool = False) -> bool:
-        """Whether restoring ``moved_bytes`` of pages beats prefilling the ``saved_tokens`` the
-        restore spares (True until both are measured)."""
-        restore = self.restore_cost(moved_bytes, ram=ram)
+    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, tier: str) -> bool:
+        """Whether restoring ``moved_bytes`` of pages (deepest source ``tier``) beats
+        prefilling the ``saved_tokens`` the restore spares (True until both are measured)."""
+        restore = self.restore_cost(moved_bytes, tier=tier)
         cold = self.cold_cost(saved_tokens)
         return restore is None or cold is None or restore < cold
 
@@ -133,12 +130,14 @@ class CostModel:
             return True
         return restore < rate * saved_tokens
 
-    def park_pays(self, n_tokens: int) -> bool:
-        """Whether keeping an ``n_tokens`` prefix resident can ever repay its park and restore."""
+    def park_pays(self, n_tokens: int, *, unmeasured_min: int = 0) -> bool:
+        """Whether a park that spares prefilling ``n_tokens`` again can repay the park and
+        its later checkpoint restore; until all three are measured, whether ``n_tokens`` is
+        at least ``unmeasured_min``."""
         rate = self.prefill_seconds_per_token
         restore, park = self.checkpoint_restore_seconds, self.park_seconds
         if rate is None or restore is None or park is None:
-            return True
+            return n_tokens >= unmeasured_min
         return park + restore < rate * n_tokens
 
 
@@ -146,11 +145,11 @@ class AlwaysRestore(CostModel):
     """A cost model whose rules always answer yes: every hit is restored and every prefix
     parked that the tiers can hold. It still measures, so admission and status see the rates."""
 
-    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, ram: bool = False) -> bool:
+    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, tier: str) -> bool:
         return True
 
     def checkpoint_pays(self, saved_tokens: int) -> bool:
         return True
 
-    def park_pays(self, n_tokens: int) -> bool:
+    def park_pays(self, n_tokens: int, *, unmeasured_min: int = 0) -> bool:
         return True

@@ -27,6 +27,9 @@ class CacheEvent:
             turn can reuse them bit-exactly (see ``l1.repair_generated``).
         park_ms: time spent keeping the previous prompt resident (and repairing its reply)
             before this one could use the working sequence.
+        park_skipped: why the previous prompt was not kept resident although this one cut
+            it (the tokens it lost are cheaper to prefill again than a park and a restore);
+            None when nothing was cut or it was parked.
         lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
         fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
         codec: the page codec of the pages an ``l2``/``l3`` hit restored: ``native`` (exact)
@@ -43,6 +46,7 @@ class CacheEvent:
     appended_tokens: int = 0
     repaired_tokens: int = 0
     park_ms: float = 0.0
+    park_skipped: str | None = None
     lookup_ms: float = 0.0
     restore_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -84,7 +84,10 @@ class RestorePlan:
             ``cold``.
         n_tokens: cached tokens after the plan; the suffix is prefilled from here.
         keep: live cells kept as they are (the rest of the working sequence is dropped).
-        park: checkpoint the live sequence before it is left (the prompt leaves it).
+        park: checkpoint the live sequence before it is left (the prompt destroys a part of
+            it worth keeping: see :meth:`Planner.park`).
+        park_skipped: why the live sequence was not parked although the prompt destroys some
+            of it (None when it destroys nothing, or there is no L1).
         seq_id: the L1 checkpoint to copy, if any.
         pages: the pages to fetch and restore, in order.
         base_tokens: for an append plan, the tokens kept from the live sequence (``seq_id`` None)
@@ -102,6 +105,7 @@ class RestorePlan:
     n_tokens: int
     keep: int
     park: bool = False
+    park_skipped: str | None = None
     seq_id: int | None = None
     pages: tuple[PageRef, ...] = ()
     base_tokens: int = 0
@@ -188,11 +192,14 @@ class Planner:
             # to 0.93 on Gemma 3 (plain Llama's prefix reuse too): when in doubt, prefill cold
             live, reason = 0, "sliding window: the live sequence cannot be cut"
         resident = self._resident(exclude)
+        parkable = live < exact and resident is not None
+        park, park_skipped = self.park(prompt) if parkable else (False, None)
         base = RestorePlan(
             "l1" if live else "cold",
             live,
             live,
-            park=live < exact and resident is not None,
+            park=park,
+            park_skipped=park_skipped,
             limit=limit,
             reason=reason,
         )
@@ -219,6 +226,34 @@ class Planner:
                     cold_s=self.costs.cold_cost(saved),
                 )
         return dataclasses.replace(best, skipped=tuple(skipped))
+
+    def park(self, prompt: Prompt) -> tuple[bool, str | None]:
+        """Whether to park the live sequence before ``prompt`` cuts it, and if not, why (None
+        when the prompt destroys nothing: it continues the whole live sequence).
+
+        What a park keeps is what the prompt destroys: the live exact tokens past the common
+        prefix with the prompt. The shared part is never counted: the prompt's own prefill
+        leaves it live again (the cells past the granule boundary included). Parking pays when
+        prefilling the destroyed tokens again costs more than the park and a later checkpoint
+        restore (the cost model). Until those are measured, it must destroy one page at least:
+        a tail shorter than a page (a question after a shared document) is prefilled again in a
+        few milliseconds, while the park copies the whole prefix (20-26 ms for 1,293 tokens on
+        2 CPU cores, issue 42); a tail of a page or more is parked, which measures what parks
+        cost here.
+        """
+        destroyed = len(prompt.live) - common_prefix(prompt.live, prompt.tokens)
+        if destroyed <= 0:
+            return False, None
+        if self.costs.park_pays(destroyed, unmeasured_min=self.page_tokens):
+            return True, None
+        cold, park = self.costs.cold_cost(destroyed), self.costs.park_seconds
+        restore = self.costs.checkpoint_restore_seconds
+        if cold is None or park is None or restore is None:
+            return False, f"{destroyed} tokens lost, under one page: prefilled again if asked"
+        return False, (
+            f"{destroyed} tokens lost: prefilling them again ({cold * 1e3:.1f} ms) beats a park "
+            f"and a restore ({(park + restore) * 1e3:.1f} ms)"
+        )
 
     def _remote_path(
         self, prompt: Prompt, limit: int, depth: int, tiers: Sequence[PageTier]
@@ -248,6 +283,42 @@ class Planner:
                 return path
         return None
 
+    def page_path(
+        self,
+        prompt: Prompt,
+        limit: int,
+        tiers: Sequence[PageTier],
+        *,
+        depth: int = 0,
+        queued: bool = True,
+    ) -> PagePath:
+        """The longest path of pages ``tiers`` hold that matches ``prompt.tokens[:limit]``: the
+        local tiers walked page by page, a remote tier asked once, only when a whole page
+        could beat both ``depth`` and the local path. ``queued``: pages still waiting to be
+        written count (L3's fetch serves them, issue 42; a prefetch, which can mirror only
+        written pages, leaves them out)."""
+        local = [t for t in tiers if not isinstance(t, RemotePageTier)]
+        path = walk(local, self.root, prompt.tokens, limit, self.page_tokens, queued=queued)
+        return self._remote_path(prompt, limit, max(path.n_tokens, depth), tiers) or path
+
+    @staticmethod
+    def sources(
+        path: PagePath, tiers: Sequence[PageTier], *, queued: bool = True
+    ) -> list[PageTier]:
+        """For each step of ``path``, the cheapest of ``tiers`` that holds its page (a remote
+        tier's pages are found by :meth:`page_path` alone, never by key; ``queued`` as there)."""
+        local = [t for t in tiers if not isinstance(t, RemotePageTier)]
+        remote = [t for t in tiers if isinstance(t, RemotePageTier)]
+        far = remote[0] if remote else tiers[-1]
+        # the walk already knows who holds each page it found by key: asked only for the rest
+        by_name = {t.name: t for t in local}
+        return [
+            by_name[s.holder]
+            if s.holder in by_name
+            else next((t for t in local if t.holds(s.key, queued=queued)), far)
+            for s in path.steps
+        ]
+
     def _pages(
         self,
         prompt: Prompt,
@@ -261,31 +332,18 @@ class Planner:
         floor = best.n_tokens
         if not tiers or limit - floor < 1:
             return best
-        local = [t for t in tiers if not isinstance(t, RemotePageTier)]
-        # pages still waiting to be written count: L3's fetch serves them (issue 42)
-        path = walk(local, self.root, prompt.tokens, limit, self.page_tokens, queued=True)
-        path = self._remote_path(prompt, limit, max(path.n_tokens, floor), tiers) or path
+        path = self.page_path(prompt, limit, tiers, depth=floor)
         usable = prompt.aligned(path.n_tokens)
         if usable <= floor:
             if not path.steps:
                 best = dataclasses.replace(best, searched=tuple(t.name for t in tiers))
             return best
-        # each page from the cheapest tier that holds it
-        remote = [t for t in tiers if isinstance(t, RemotePageTier)]
-        far = remote[0] if remote else tiers[-1]
-        # the walk already knows who holds each page it found by key: asked only for the rest
-        by_name = {t.name: t for t in local}
-        sources = [
-            by_name[s.holder]
-            if s.holder in by_name
-            else next((t for t in local if t.holds(s.key, queued=True)), far)
-            for s in path.steps
-        ]
+        sources = self.sources(path, tiers)
+        # the deepest source's reads dominate a restore: its rate prices the whole of it
         deepest = max(sources, key=tiers.index).name
         append = prompt.can_append and floor > 0
         moved = usable - floor if append else usable
-        ram = deepest == "l2"
-        if not self.costs.pages_pay(moved * self.bytes_per_token, usable - floor, ram=ram):
+        if not self.costs.pages_pay(moved * self.bytes_per_token, usable - floor, tier=deepest):
             skipped.append(deepest)
             return best
         pages: list[PageRef] = []
@@ -306,7 +364,7 @@ class Planner:
             base_tokens=floor if append else 0,
             seq_id=best.seq_id if append else None,
             floor=floor,
-            expected_s=self.costs.restore_cost(moved * self.bytes_per_token, ram=ram),
+            expected_s=self.costs.restore_cost(moved * self.bytes_per_token, tier=deepest),
             cold_s=self.costs.cold_cost(usable - floor),
             reason=f"{len(pages)} pages from {', '.join(dict.fromkeys(p.tier for p in pages))}",
         )

@@ -1,16 +1,19 @@
-"""Prefetch: bring a likely-next prompt's L3 pages into L2 before its request comes.
+"""Prefetch: bring a likely-next prompt's pages into a shallow tier before its request comes.
 
 SGLang HiCache's idea for this cache's tiers: the server's idle gap and a batch's trie order
-know which prompt probably comes next, and reading its pages from disk then, rather than inside
-the request, turns its L3 restore into an L2 one. Pure cache-layer code (no llama.cpp, nothing of
-the working sequence), so it may run on any thread beside a request: L2 is locked, L3 reads
-into a buffer per thread and its store is shared by threads and processes.
+know which prompt probably comes next, and reading its pages from a deeper tier (L3's disk, the
+remote store) then, rather than inside the request, turns its restore into one from the tier a
+prefetch fills (a :class:`~skippy_llama.tiers.base.PrefetchTier`: L2). Pure cache-layer code (no
+llama.cpp, nothing of the working sequence), so it may run on any thread beside a request: L2 is
+locked, L3 reads into a buffer per thread and its store is shared by threads and processes.
 
-The prompt's page path is walked over L2 and L3 as the planner walks it (L1 left out: its
-checkpoints live in the context, which only the request thread touches). Pages L2 holds are
-marked predicted; the rest are read from L3 in runs of at most :data:`READ_CHUNK_BYTES` and
-copied into L2 before the next read reuses the buffer, as a prediction under L2's rules
-(:meth:`~skippy_llama.tiers.ram.RamTier.prefetch_fill`). A tier fault is a counted miss; nothing
+The prompt's page path is found by the planner over the serving page tiers, each page from the
+cheapest tier that holds it, as a restore would read it (L1 left out: its checkpoints live in the
+context, which only the request thread touches). The first serving prefetch tier is the target;
+the tiers after it are the sources. Pages the target holds are marked predicted; the rest are read
+from their source in runs of at most :data:`READ_CHUNK_BYTES` and offered to the target before the
+next read reuses the buffer, as predictions under its rules (L2:
+:meth:`~skippy_llama.tiers.ram.RamTier.prefetch_fill`). A tier fault is a counted miss; nothing
 here raises.
 """
 
@@ -24,7 +27,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .tiers.base import PathStep, walk
+from .plan import Prompt
+from .tiers.base import PageTier, PathStep, PrefetchFill, PrefetchTier
 
 if TYPE_CHECKING:
     from .cache import PrefixCache
@@ -39,17 +43,28 @@ READ_CHUNK_BYTES = 64 << 20
 
 #: Why a prefetch stopped:
 #:
-#: * ``complete``: every page of the prompt's stored path is in L2 now;
-#: * ``not_stored``: L3 holds no page of the prompt;
-#: * ``off``: L2 or L3 is off, not serving, or the prompt is too short to reuse;
-#: * ``l2_full``: L2 had no room the prefetch may take (see ``tiers/ram.py``);
-#: * ``too_large``: a page is over L2's payload cap;
-#: * ``l3_miss``: a page was missing, damaged or unreadable in L3 (counted there);
+#: * ``complete``: every page of the prompt's stored path is in the target tier now;
+#: * ``not_stored``: no page tier holds a page of the prompt;
+#: * ``off``: no serving tier a prefetch fills (L2), none deeper to read from, or the prompt is
+#:   too short to reuse;
+#: * ``full``: the target had no room the prefetch may take (see ``tiers/ram.py``);
+#: * ``too_large``: a page is over the target's payload cap;
+#: * ``foreign``: a page the target may not hold (L2 mirrors L3: a page only the remote tier
+#:   holds is not one);
+#: * ``miss``: a page was missing, damaged or unreadable in its source tier (counted there);
 #: * ``stopped``: the caller's ``stop`` asked it to (a request is waiting, a batch ends);
 #: * ``error``: an unexpected fault, counted and logged.
 StopReason = Literal[
-    "complete", "not_stored", "off", "l2_full", "too_large", "l3_miss", "stopped", "error"
+    "complete", "not_stored", "off", "full", "too_large", "foreign", "miss", "stopped", "error"
 ]
+
+
+#: How a page the target did not take ends the prefetch.
+_STOPS: dict[PrefetchFill, StopReason] = {
+    "full": "full",
+    "too_large": "too_large",
+    "foreign": "foreign",
+}
 
 
 @dataclass(frozen=True)
@@ -57,12 +72,12 @@ class PrefetchResult:
     """What one :meth:`~skippy_llama.cache.PrefixCache.prefetch` did.
 
     Attributes:
-        pages: pages copied from L3 into L2.
+        pages: pages copied into the target tier (L2).
         bytes: their payload bytes.
-        held: pages of the path L2 held already.
-        tokens: leading prompt tokens whose pages L2 now holds or lie wholly inside ``skip``
-            (what the request can take without reading L3).
-        stored_tokens: leading prompt tokens the stored page path covers (L2 and L3).
+        held: pages of the path the target held already.
+        tokens: leading prompt tokens whose pages the target now holds or lie wholly inside
+            ``skip`` (what the request can take without reading a deeper tier).
+        stored_tokens: leading prompt tokens the stored page path covers (every page tier).
         stopped: why it stopped (:data:`StopReason`).
     """
 
@@ -98,48 +113,54 @@ class Prefetcher:
 
     def _run(self, tokens: Tokens, stop: Callable[[], bool] | None, skip: int) -> PrefetchResult:
         cache = self.cache
-        ram, disk = cache.ram, cache.disk
+        planner = cache.planner
+        tiers = planner.page_tiers()
+        target = next((t for t in tiers if isinstance(t, PrefetchTier)), None)
         # the last prompt token is always decoded (its logits are needed): never reused
         limit = len(tokens) - 1
-        if ram is None or disk is None or not ram.serving or limit < 1:
+        if target is None or target is tiers[-1] or limit < 1:
             return PrefetchResult(stopped="off")
-        path = walk([ram, disk], cache.root, tokens, limit, cache.page_tokens)
+        # written pages only: the target mirrors what its source holds, not what is in flight
+        path = planner.page_path(Prompt(tokens, limit), limit, tiers, queued=False)
         steps = path.steps
         if not steps:
             return PrefetchResult(stopped="not_stored")
-        in_l2 = [step.holder == "l2" or ram.holds(step.key) for step in steps]
-        held = ram.predict([s.key for s, here in zip(steps, in_l2, strict=True) if here])
+        at = tiers.index(target)
+        sources = planner.sources(path, tiers, queued=False)
+        # pages the target (or a tier before it) holds need no read
+        here = [tiers.index(source) <= at for source in sources]
+        held = target.predict([s.key for s, there in zip(steps, here, strict=True) if there])
         protect = frozenset(step.key for step in steps)
         pages = nbytes = 0
         stopped: StopReason = "complete"
         # pages wholly inside the first ``skip`` tokens come from elsewhere (the live sequence)
         ends = np.cumsum([step.used for step in steps])
-        wanted = [not here and end > skip for here, end in zip(in_l2, ends, strict=True)]
-        for run in self._runs(steps, wanted):
+        wanted = [not there and end > skip for there, end in zip(here, ends, strict=True)]
+        for run in self._runs(steps, sources, wanted):
             if stop is not None and stop():
                 stopped = "stopped"
                 break
-            got = disk.read_with_digests([steps[i].key for i in run])
-            for i, (payload, digest) in zip(run, got, strict=False):
-                # a view into this thread's read buffer: prefetch_fill copies it before the
-                # next read reuses the buffer
-                outcome = ram.prefetch_fill(steps[i].key, payload, digest, protect)
+            got = sources[run[0]].fetch([steps[i].key for i in run])
+            for i, payload in zip(run, got, strict=False):
+                # a view into this thread's read buffer: the target copies it before the next
+                # read reuses the buffer
+                outcome = target.take_prefetched(steps[i].key, payload, protect)
                 if outcome == "added":
                     pages += 1
                     nbytes += len(payload)
                 if outcome in ("added", "held"):
-                    in_l2[i] = True
+                    here[i] = True
                     continue
-                stopped = "l2_full" if outcome == "full" else "too_large"
+                stopped = _STOPS[outcome]
                 break
             if stopped != "complete":
                 break
             if len(got) < len(run):
-                stopped = "l3_miss"
+                stopped = "miss"
                 break
         covered = 0
-        for step, here, end in zip(steps, in_l2, ends, strict=True):
-            if not here and end > skip:
+        for step, there, end in zip(steps, here, ends, strict=True):
+            if not there and end > skip:
                 break
             covered += step.used
         return PrefetchResult(
@@ -151,9 +172,12 @@ class Prefetcher:
             stopped=stopped,
         )
 
-    def _runs(self, steps: Sequence[PathStep], wanted: Sequence[bool]) -> list[list[int]]:
+    def _runs(
+        self, steps: Sequence[PathStep], sources: Sequence[PageTier], wanted: Sequence[bool]
+    ) -> list[list[int]]:
         """Indices of the ``wanted`` steps, in path order, cut into runs of consecutive pages of
-        at most ``READ_CHUNK_BYTES`` (by the cache's bytes per token; one page at least)."""
+        one source tier, of at most ``READ_CHUNK_BYTES`` (by the cache's bytes per token; one
+        page at least)."""
         per_token = max(self.cache.bytes_per_token, 1)
         runs: list[list[int]] = []
         size = 0
@@ -161,7 +185,12 @@ class Prefetcher:
             if not want:
                 continue
             page = step.n_tokens * per_token
-            if not runs or runs[-1][-1] != i - 1 or size + page > READ_CHUNK_BYTES:
+            if (
+                not runs
+                or runs[-1][-1] != i - 1
+                or sources[runs[-1][-1]] is not sources[i]
+                or size + page > READ_CHUNK_BYTES
+            ):
                 runs.append([])
                 size = 0
             runs[-1].append(i)

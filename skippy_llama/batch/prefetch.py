@@ -35,7 +35,8 @@ def item_tokens(llm: SkippyLlama, item: BatchItem) -> list[int] | None:
 
 
 class NextItemPrefetch:
-    """A background thread that prefetches one item ahead (a no-op unless L2 and L3 are on).
+    """A background thread that prefetches one item ahead (a no-op unless the cache can
+    prefetch: ``PrefixCache.can_prefetch``, L2 over L3 or the remote tier).
 
     Use as a context manager: leaving it cancels an unfinished prefetch (between L3 reads) and
     joins the thread.
@@ -43,8 +44,7 @@ class NextItemPrefetch:
 
     def __init__(self, llm: SkippyLlama) -> None:
         self.llm = llm
-        cache = llm.prefix_cache
-        self.enabled = llm.caching and cache.ram is not None and cache.disk is not None
+        self.enabled = llm.caching and llm.prefix_cache.can_prefetch
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="skippy-prefetch") if self.enabled else None
         )

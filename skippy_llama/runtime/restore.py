@@ -34,6 +34,7 @@ def restore_prefix(
         can_append=cache.takes_records and llm.native_verdict.append_import,
     )
     plan = cache.plan(prompt)
+    event.park_skipped = plan.park_skipped
     if plan.park:
         # the prompt leaves the live sequence: keep it resident before it is overwritten;
         # parking changes L1, so the plan is made again afterwards

@@ -157,8 +157,7 @@ class KVSeam:
         """Checkpoint the working sequence's first ``len(tokens)`` cells as a resident prefix,
         where the cache's planner says it pays and fits; True when parked."""
         plan = cache.park_plan(tokens)
-        resident = cache.resident
-        if plan is None or resident is None:
+        if plan is None:
             return False
         try:
             for slot in plan.evict:
@@ -169,11 +168,11 @@ class KVSeam:
             handle = native.checkpoint(
                 self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens, on_device=self.on_device
             )
-            cache.costs.observe_park(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
         except BaseException:
-            resident.abandon_park(plan)
+            cache.abandon_park(plan)
             raise
-        cache.commit_park(plan, tokens, handle)
+        cache.commit_park(plan, tokens, handle, seconds)
         return True
 
     # -- executing a plan ---------------------------------------------------------------------

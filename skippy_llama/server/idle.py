@@ -18,10 +18,11 @@ the next request waited for; decoding took 94 %. It now also waits while any req
 to the queue (:mod:`.queue`), which counts a request from its arrival, before it reaches the
 model lock, and gives up the lock it won if one was admitted meanwhile.
 
-After that, with L2 and L3 both on, the same gap prefetches (:meth:`SkippyLlama.prefetch`) the
-conversations served most recently (:mod:`.recent`) that are neither in the working sequence nor
-resident in L1: their next turns would otherwise restore from disk. A request that arrives
-meanwhile waits for one L3 read at most (the prefetch asks the same ``stop`` before each read).
+After that, where the cache can prefetch (a tier to fill, L2, over a deeper one to read, L3 or
+the remote store), the same gap prefetches (:meth:`SkippyLlama.prefetch`) the conversations served
+most recently (:mod:`.recent`) that the working sequence or L1 would not serve (the planner says):
+their next turns would otherwise restore from disk or the network. A request that arrives
+meanwhile waits for one read at most (the prefetch asks the same ``stop`` before each read).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import anyio
 import numpy as np
 from llama_cpp.server.app import get_llama_proxy, llama_inner_lock, llama_outer_lock
 
+from ..plan import Prompt
 from ..prefetch import PrefetchResult
 from ..runtime.llama import SkippyLlama
-from ..tiers.base import common_prefix
 from .recent import RecentConversations, Tokens
 from .state import ServingState
 
@@ -79,27 +80,23 @@ async def prepare_when_idle(state: ServingState, after: float) -> None:
 
 
 def _resident(llm: SkippyLlama, tokens: Tokens) -> bool:
-    """The working sequence or an L1 checkpoint holds all of ``tokens`` but less than a page
-    (model thread only: L1 and the working sequence change under requests)."""
+    """The working sequence or an L1 checkpoint would serve all of ``tokens`` but less than a
+    page, by the planner (model thread only: L1 and the working sequence change under
+    requests)."""
     cache = llm.prefix_cache
-    need = len(tokens) - cache.page_tokens
     live = np.asarray(llm.input_ids[: llm.live_exact()], dtype=np.int32)
-    if common_prefix(live, tokens) >= need:
-        return True
-    resident = cache.resident
-    hit = resident.match(cache.root, tokens, len(tokens)) if resident is not None else None
-    return hit is not None and hit.n_tokens >= need
+    served = cache.resident_tokens(Prompt(tokens, len(tokens), live=live))
+    return served >= len(tokens) - cache.page_tokens
 
 
 def prefetch_recent(
     llm: SkippyLlama, recent: RecentConversations, stop: Callable[[], bool]
 ) -> list[PrefetchResult]:
-    """Prefetch the L3 pages of the most recent conversations that are not resident, up to
+    """Prefetch the pages of the most recent conversations that are not resident, up to
     :data:`PREFETCH_CONVERSATIONS` of them, most recent first; ``stop`` is asked before each
-    conversation and each L3 read. Runs on the model thread. Returns what each prefetch did
-    (nothing when L2 or L3 is off)."""
-    cache = llm.prefix_cache
-    if not llm.caching or cache.ram is None or cache.disk is None:
+    conversation and each read. Runs on the model thread. Returns what each prefetch did
+    (nothing when the cache cannot prefetch: ``PrefixCache.can_prefetch``)."""
+    if not llm.caching or not llm.prefix_cache.can_prefetch:
         return []
     results: list[PrefetchResult] = []
     for tokens in recent.latest(len(recent)):

@@ -19,8 +19,8 @@ that implements one of these protocols and registers a factory there.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -73,9 +73,24 @@ class ResidentMatch:
     n_tokens: int
 
 
+@dataclass(frozen=True)
+class ParkPlan:
+    """What the runtime must do to park a prefix: drop ``evict`` checkpoints, then checkpoint
+    the working sequence's first ``n_tokens`` cells into slot ``seq_id``."""
+
+    seq_id: int
+    n_tokens: int
+    evict: tuple[int, ...] = field(default_factory=tuple)
+
+
 @runtime_checkable
 class ResidentTier(Tier, Protocol):
-    """L1: prefixes resident as checkpoints of the live context."""
+    """L1: prefixes resident as checkpoints of the live context.
+
+    Parking is a transaction the runtime carries out between :meth:`plan_park` and
+    :meth:`commit_park` (or :meth:`abandon_park` when the checkpoint call failed): the tier
+    only keeps the books, the KV seam makes the checkpoint.
+    """
 
     def match(self, root: bytes, tokens: Tokens, limit: int) -> ResidentMatch | None:
         """The longest resident prefix of ``tokens[:limit]`` (no side effects)."""
@@ -83,6 +98,20 @@ class ResidentTier(Tier, Protocol):
 
     def touch(self, seq_id: int) -> None:
         """``seq_id`` served a request: it becomes the most recently used."""
+        ...
+
+    def plan_park(self, root: bytes, tokens: Tokens) -> ParkPlan | None:
+        """Where to checkpoint ``tokens`` (a prefix under ``root``): the slot to fill and the
+        slots to drop first; None when it is held already, nothing can be freed or it is empty."""
+        ...
+
+    def commit_park(self, plan: ParkPlan, root: bytes, tokens: Tokens, handle: bytes) -> None:
+        """``plan`` was carried out: ``tokens[:plan.n_tokens]`` are resident in its slot,
+        restored by the runtime's opaque ``handle``."""
+        ...
+
+    def abandon_park(self, plan: ParkPlan) -> None:
+        """``plan`` failed part way: forget every slot it touches (they may be overwritten)."""
         ...
 
 
@@ -93,6 +122,9 @@ class PageTier(Tier, Protocol):
     #: whether the runtime's records (new pages of a prompt) are offered to this tier; a mirror
     #: such as L2 takes pages only by promotion from a deeper tier
     takes_records: bool
+    #: whether a fetch copies from host memory (L2): a restore from such tiers alone has no
+    #: storage or network read to overlap with its import
+    in_memory: bool
 
     @property
     def serving(self) -> bool:
@@ -127,6 +159,32 @@ class PageTier(Tier, Protocol):
 
     def note_miss(self) -> None:
         """Count a lookup that found no page of this tier."""
+        ...
+
+
+#: What a prefetch target did with a page offered to it: ``added``, ``held`` (it had the same
+#: bytes), ``too_large`` (over its payload cap), ``full`` (no room it may take) or ``foreign``
+#: (not a page it may hold: a mirror keeps only pages of the tier it mirrors).
+PrefetchFill = Literal["added", "held", "too_large", "full", "foreign"]
+
+
+@runtime_checkable
+class PrefetchTier(PageTier, Protocol):
+    """A page tier a prefetch fills (a mirror such as L2): pages of a likely-next prompt, read
+    from deeper page tiers ahead of its request, are offered to it as predictions that it keeps
+    under its own rules (:mod:`skippy_llama.prefetch`). Safe on any thread."""
+
+    def predict(self, keys: Sequence[bytes]) -> int:
+        """Mark the pages of ``keys`` it holds as predicted (a prefetch found them here: later
+        prefetches leave them alone); returns how many it holds."""
+        ...
+
+    def take_prefetched(
+        self, key: bytes, payload: Payload, protect: frozenset[bytes]
+    ) -> PrefetchFill:
+        """Keep a copy of page ``key`` a prefetch read from a deeper tier (``payload`` may be a
+        view into a read buffer: copy it), evicting none of ``protect`` (the same prompt's
+        other pages)."""
         ...
 
 

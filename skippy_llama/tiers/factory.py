@@ -149,7 +149,7 @@ def _disk(context: TierContext) -> DiskTier | None:
     # the costs this model measured on this backend in earlier processes, kept in the store
     disk = DiskTier(
         l3,
-        admission=AdmissionPolicy(context.costs),
+        admission=AdmissionPolicy(context.costs, tier=DiskTier.name),
         cost_key=(identity.model.id, identity.backend),
     )
     if not disk.serving:

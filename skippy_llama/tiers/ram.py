@@ -28,8 +28,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
+from .base import PrefetchFill
 from .records import PrefixRecord, RamStatus
 
 
@@ -52,10 +53,6 @@ MAX_PAYLOAD_BYTES = 64 * MiB
 #: How many first fills are remembered while waiting for a second one.
 MAX_SEEN = 65536
 
-#: What :meth:`RamTier.prefetch_fill` did with a page: ``added``, ``held`` (L2 had the same
-#: bytes), ``too_large`` (over the payload cap) or ``full`` (no room it may take).
-PrefetchFill = Literal["added", "held", "too_large", "full"]
-
 
 class RamTier:
     """LRU mirror of L3 pages in host RAM, bounded by an explicit budget in bytes.
@@ -66,6 +63,7 @@ class RamTier:
     name = "l2"
     #: a mirror: pages come by promotion from L3, never from records
     takes_records = False
+    in_memory = True
 
     def __init__(
         self,
@@ -295,6 +293,17 @@ class RamTier:
 
     def note_miss(self) -> None:
         """L2's misses are counted per page by :meth:`get`."""
+
+    def take_prefetched(
+        self, key: bytes, payload: bytes | memoryview, protect: frozenset[bytes] = frozenset()
+    ) -> PrefetchFill:
+        """A page a prefetch read from a deeper tier (the prefetch protocol, ``tiers/base.py``),
+        kept as a prediction with L3's current digest (:meth:`prefetch_fill`); ``foreign``
+        when L3 does not hold it (a page only the remote tier has): L2 mirrors L3 alone."""
+        digest = self.source.digest(key) if self.source is not None else None
+        if digest is None:
+            return "foreign"
+        return self.prefetch_fill(key, payload, digest, protect)
 
     def close(self) -> None:
         self.clear()

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..identity import chain_key, page_keys
-from .base import ResidentMatch, common_prefix
+from .base import ParkPlan, ResidentMatch, common_prefix
 
-__all__ = ["ParkPlan", "ResidentEntry", "ResidentIndex", "ResidentStatus", "common_prefix"]
+__all__ = ["ResidentEntry", "ResidentIndex", "ResidentStatus", "common_prefix"]
 
 Tokens = npt.NDArray[np.int32]
 
@@ -53,15 +53,6 @@ class ResidentStatus:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class ParkPlan:
-    """What the runtime must do to park a prefix: drop ``evict`` sequences, then fill ``seq_id``."""
-
-    seq_id: int
-    n_tokens: int
-    evict: tuple[int, ...] = field(default_factory=tuple)
 
 
 class ResidentIndex:
@@ -131,10 +122,11 @@ class ResidentIndex:
     def entry(self, seq_id: int) -> ResidentEntry:
         return self._entries[seq_id]
 
-    def plan_park(self, tokens: Tokens) -> ParkPlan | None:
+    def plan_park(self, root: bytes, tokens: Tokens) -> ParkPlan | None:
         """Choose a slot for a new prefix, evicting LRU unpinned entries as needed.
 
-        Entries that are a prefix of the new one are superseded (it covers them). Returns ``None``
+        ``root`` is not needed here (entries are keyed when committed). Entries that are a
+        prefix of the new one are superseded (it covers them). Returns ``None``
         when an entry already holds the whole prefix (it becomes the most recently used), when
         nothing can be freed (everything pinned) or when the prefix is empty.
         """

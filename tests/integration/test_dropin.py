@@ -479,6 +479,9 @@ def test_checkpoints_that_cost_more_than_their_prefill_are_skipped(smollm2_path:
         parks = counters.park_skipped
         assert _complete(skippy, prompts[1], max_tokens=6) == want[1]  # leaves prompt 0's chat
         assert counters.park_skipped == parks + 1  # not kept: it could never repay its park
+        displaced = skippy.last_cache_event
+        assert displaced is not None and displaced.park_skipped is not None
+        assert "tokens lost" in displaced.park_skipped
         costs.checkpoint_restore_seconds = 0.0
         assert _complete(skippy, prompts[0], max_tokens=6) == want[0]
         resumed = skippy.last_cache_event

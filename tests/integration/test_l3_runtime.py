@@ -698,7 +698,7 @@ def test_a_new_process_starts_with_the_costs_the_last_one_measured(
         assert admission.costs.measured
     finally:
         first.close()
-    learned = (admission.costs.prefill_seconds_per_token, admission.costs.restore_seconds_per_byte)
+    learned = (admission.costs.prefill_seconds_per_token, admission.costs.restore_rate("l3"))
 
     second = SkippyLlama(str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=settings)
     try:
@@ -708,7 +708,7 @@ def test_a_new_process_starts_with_the_costs_the_last_one_measured(
         assert admission is not None
         assert disk.learned.loaded
         costs = admission.costs
-        assert (costs.prefill_seconds_per_token, costs.restore_seconds_per_byte) == learned
+        assert (costs.prefill_seconds_per_token, costs.restore_rate("l3")) == learned
         # its first record is decided by those costs, not by the unmeasured write-through
         assert complete(second, PROMPTS[2]) == reference[2]
         assert second.flush_cache(60)

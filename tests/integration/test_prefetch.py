@@ -146,7 +146,7 @@ def test_a_corrupt_l3_page_is_a_counted_miss_and_the_request_stays_exact(
         corrupt = disk.status().process_activity.corrupt_entries
     finally:
         llm.close()
-    assert result.stopped == "l3_miss" and result.pages == 1 and result.tokens == 128
+    assert result.stopped == "miss" and result.pages == 1 and result.tokens == 128
     assert counters["prefetch_misses"] == 1 and corrupt == 1
     assert out == reference[0]
     assert event is not None and event.tier == "l2" and event.cached_tokens == aligned(llm, 128)

@@ -12,6 +12,7 @@ import pytest
 from modelhelpers import TEXT, aligned, cold_logits, last_logits, short_of_a_boundary
 
 from skippy_llama.config import Settings
+from skippy_llama.costs import AlwaysRestore, CostModel
 from skippy_llama.events import CacheEvent
 from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.chat_head import template_head
@@ -29,8 +30,10 @@ QUESTIONS = (
 MORE = " Then, at the top, he"
 
 
-def _skippy(path: Path, **l1: object) -> SkippyLlama:
-    return SkippyLlama(str(path), n_ctx=2048, verbose=False, cache_settings=Settings(l1=l1))
+def _skippy(path: Path, costs: CostModel | None = None, **l1: object) -> SkippyLlama:
+    return SkippyLlama(
+        str(path), n_ctx=2048, verbose=False, cache_settings=Settings(l1=l1), cost_model=costs
+    )
 
 
 def test_a_prepared_reply_is_reused_with_the_logits_of_a_cold_prefill(smollm2_path: Path) -> None:
@@ -197,8 +200,12 @@ def _against_cold(
 def test_a_prepared_chat_is_parked_whole_when_another_chat_comes(smollm2_path: Path) -> None:
     """Interleaved chats with ``repair_generated=never`` (the server's default): a reply prepared
     before another user's turn is kept with its chat, so that chat's next turn reuses it, and
-    the chat is checkpointed when prepared, not when the next request displaces it."""
-    llm = _skippy(smollm2_path, repair_generated="never")
+    the chat is checkpointed when prepared, not when the next request displaces it.
+
+    The chats share their system prompt, so the tail another chat's turn destroys is shorter
+    than a page: the default cost model prefills it again rather than park (``plan.py``); the
+    parks are what this test is about, so they are forced (``AlwaysRestore``)."""
+    llm = _skippy(smollm2_path, AlwaysRestore(), repair_generated="never")
     got, want, events, status, granule = _against_cold(llm, smollm2_path)
     assert got == want
     assert all(isinstance(e, CacheEvent) and e.repaired_tokens == 0 for e in events)
@@ -224,9 +231,10 @@ def test_a_request_waiting_stops_the_preparation_between_steps(
 ) -> None:
     """``stop`` (a server: "a request is waiting") is asked between the steps: true at once,
     nothing is prepared; true after the re-decode, the chat is not checkpointed ahead (the
-    request that displaces it does that). Outputs stay those of a cold run."""
+    request that displaces it does that). Outputs stay those of a cold run. Parks are forced,
+    as in the test above."""
     asked: list[int] = []
-    llm = _skippy(smollm2_path, repair_generated="never")
+    llm = _skippy(smollm2_path, AlwaysRestore(), repair_generated="never")
 
     def stop() -> bool:
         # 0: at once; 1: once a reply was re-decoded (the count moved since the last ask)

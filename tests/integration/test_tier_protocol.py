@@ -43,6 +43,7 @@ class MemoryTier:
 
     name: str = "memory"
     takes_records: bool = True
+    in_memory: bool = False
     serving: bool = True
     pages: dict[bytes, bytes] = field(default_factory=dict)
     index: dict[bytes, list[tuple[bytes, bytes]]] = field(default_factory=dict)

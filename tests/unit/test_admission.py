@@ -12,7 +12,7 @@ from skippy_llama.admission import AdmissionPolicy, CostModel, exclusive_bytes
 def measured(prefill_s_per_token: float, restore_s_per_byte: float) -> CostModel:
     costs = CostModel()
     costs.observe_prefill(1000, prefill_s_per_token * 1000)
-    costs.observe_restore(1000, restore_s_per_byte * 1000)
+    costs.observe_restore(1000, restore_s_per_byte * 1000, tier="l3")
     return costs
 
 
@@ -25,8 +25,8 @@ def test_ewma() -> None:
     costs.observe_prefill(0, 5.0)  # ignored
     costs.observe_prefill(10, float("nan"))  # ignored
     assert costs.cold_cost(50) == pytest.approx(1.0)
-    costs.observe_restore(1000, 0.001)
-    assert costs.measured and costs.restore_cost(2000) == pytest.approx(0.002)
+    costs.observe_restore(1000, 0.001, tier="l3")
+    assert costs.measured and costs.restore_cost(2000, tier="l3") == pytest.approx(0.002)
 
 
 def test_falls_back_to_write_through_until_both_costs_are_measured() -> None:
@@ -35,7 +35,7 @@ def test_falls_back_to_write_through_until_both_costs_are_measured() -> None:
     assert decision.admit and decision.reason == "fallback_unmeasured" and decision.score is None
     policy.costs.observe_prefill(1000, 1.0)
     assert policy.decide(1000, 10**6, 10**6).reason == "fallback_unmeasured"
-    policy.costs.observe_restore(10**6, 0.01)
+    policy.costs.observe_restore(10**6, 0.01, tier="l3")
     assert policy.decide(1000, 10**6, 10**6).reason == "score"
     assert policy.counters.to_json() == {"admitted": 3, "rejected": 0, "fallback": 2}
 

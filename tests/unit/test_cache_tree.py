@@ -223,14 +223,14 @@ def test_a_restore_the_measured_costs_say_is_slower_than_a_prefill_is_skipped(
     assert lookup(cache, tokens, 298).tier == "l3"  # nothing measured yet: restore
     costs = cache.costs
     costs.observe_prefill(1000, 0.001)  # 1 µs a token
-    costs.observe_restore(1 << 20, 1.0)  # 1 s a MiB: far slower
+    costs.observe_restore(1 << 20, 1.0, tier="l3")  # 1 s a MiB: far slower
     slow = lookup(cache, tokens, 298)
     assert (slow.tier, slow.n_tokens) == ("cold", 0)
     # counted as what served (a miss) and as a skipped restore, never as an L3 hit
     assert cache.counters.restores_skipped == 1 and cache.counters.hits["l3"] == 1
     assert cache.counters.misses == 1
     costs.prefill_seconds_per_token = 10.0 / 1000
-    costs.restore_seconds_per_byte = 1e-6 / (1 << 20)
+    costs.restore_rates["l3"] = 1e-6 / (1 << 20)
     assert lookup(cache, tokens, 298).tier == "l3"
 
 
@@ -274,14 +274,14 @@ def test_l2_restores_are_weighed_at_their_own_rate(tmp_path: Path) -> None:
         record(cache, tokens)
         costs = cache.costs
         costs.observe_prefill(1000, 0.001)  # 1 µs a token
-        costs.observe_restore(1 << 20, 1e-6)  # L3 fast for now
+        costs.observe_restore(1 << 20, 1e-6, tier="l3")  # L3 fast for now
         assert lookup(cache, tokens, 298).tier == "l3"  # the pages are now in L2 too
-        costs.restore_seconds_per_byte = 1.0 / (1 << 20)  # L3 now 1 s a MiB: far slower
+        costs.restore_rates["l3"] = 1.0 / (1 << 20)  # L3 now 1 s a MiB: far slower
         assert lookup(cache, tokens, 298).tier == "l2"  # L2 not measured yet: restore
-        costs.observe_restore(1 << 20, 1e-6, ram=True)
+        costs.observe_restore(1 << 20, 1e-6, tier="l2")
         assert lookup(cache, tokens, 298).tier == "l2"
         assert cache.counters.restores_skipped == 0
-        costs.ram_restore_seconds_per_byte = 1.0 / (1 << 20)
+        costs.restore_rates["l2"] = 1.0 / (1 << 20)
         assert lookup(cache, tokens, 298).tier == "cold"
         assert cache.counters.restores_skipped == 1
     finally:

@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from test_cache_tree import IDENTITY
+from test_plan import PAGE, FakePages, FakeRemote
 
+from skippy_llama.cache import PrefixCache
 from skippy_llama.costs import MIN_PREFILL_TOKENS, AlwaysRestore, CostModel
+from skippy_llama.identity import page_keys
+from skippy_llama.plan import Prompt, RestoreOutcome
 
 
 def test_unmeasured_costs_say_yes_so_they_get_measured() -> None:
@@ -47,14 +53,48 @@ def test_averages_follow_the_machine() -> None:
         CostModel(alpha=0)
 
 
-def test_page_restores_pay_by_their_own_rates() -> None:
+def test_page_restores_pay_by_their_own_tier_rates() -> None:
     costs = CostModel()
-    assert costs.pages_pay(10**9, 1)  # unmeasured: restore, so it gets measured
+    assert costs.pages_pay(10**9, 1, tier="l3")  # unmeasured: restore, so it gets measured
     costs.observe_prefill(1000, 1.0)  # 1 ms a token
-    costs.observe_restore(10**6, 0.010)  # L3: 10 ns a byte
-    costs.observe_restore(10**6, 0.001, ram=True)  # L2: 1 ns a byte
-    assert costs.pages_pay(10**6, 11) and not costs.pages_pay(10**6, 9)
-    assert costs.pages_pay(10**6, 2, ram=True) and not costs.pages_pay(10**6, 1, ram=True)
+    costs.observe_restore(10**6, 0.010, tier="l3")  # 10 ns a byte
+    costs.observe_restore(10**6, 0.001, tier="l2")  # 1 ns a byte
+    assert costs.pages_pay(10**6, 11, tier="l3") and not costs.pages_pay(10**6, 9, tier="l3")
+    assert costs.pages_pay(10**6, 2, tier="l2") and not costs.pages_pay(10**6, 1, tier="l2")
+    assert costs.pages_pay(10**9, 1, tier="remote")  # a tier of its own, not yet measured
+    assert costs.restore_cost(10**6, tier="remote") is None
+
+
+def test_a_remote_restore_changes_the_remote_tiers_rate_only() -> None:
+    """Committing a restore served from L3 and the remote tier books it to the deepest tier
+    that served (remote): L3's and L2's rates are untouched."""
+    tokens = np.arange(300, dtype=np.int32)
+    keys = page_keys(IDENTITY.root, tokens[:256], PAGE)
+    l2 = FakePages("l2", keys={keys[0]}, takes_records=False)
+    l3 = FakePages("l3", keys={keys[0]})
+    remote = FakeRemote("remote", keys=set(keys))
+    cache = PrefixCache(
+        identity=IDENTITY, page_tokens=PAGE, tiers=[l2, l3, remote], bytes_per_token=1000
+    )
+    costs = cache.costs
+    costs.observe_restore(10**6, 0.001, tier="l2")
+    costs.observe_restore(10**6, 0.010, tier="l3")
+    before = dict(costs.restore_rates)
+    prompt = Prompt(tokens, 298)
+    plan = cache.plan(prompt)
+    assert plan.tier == "remote" and plan.page_tiers == ("l2", "remote")
+    fetched, short = cache.fetch(plan)
+    assert short is None
+    outcome = RestoreOutcome(
+        plan, restored=True, restored_bytes=256_000, restore_s=2.56, fetched=tuple(fetched)
+    )
+    cache.commit(plan, outcome, prompt)
+    assert costs.restore_rates == {**before, "remote": pytest.approx(1e-5)}
+    # a restore wholly from L2 feeds L2's rate alone
+    cache.commit(plan, RestoreOutcome(plan, True, 64_000, 0.128, tuple(fetched[:1])), prompt)
+    assert costs.restore_rates["l2"] == pytest.approx(0.8 * 1e-9 + 0.2 * 2e-6)
+    assert costs.restore_rates["l3"] == before["l3"]
+    assert costs.restore_rates["remote"] == pytest.approx(1e-5)
 
 
 def test_always_restore_says_yes_to_every_rule_but_still_measures() -> None:
@@ -62,6 +102,6 @@ def test_always_restore_says_yes_to_every_rule_but_still_measures() -> None:
     costs.observe_prefill(300, 0.010)
     costs.observe_checkpoint_restore(0.065)
     costs.observe_park(0.065)
-    costs.observe_restore(10**9, 100.0)
-    assert costs.checkpoint_pays(1) and costs.park_pays(1) and costs.pages_pay(10**9, 1)
+    costs.observe_restore(10**9, 100.0, tier="l3")
+    assert costs.checkpoint_pays(1) and costs.park_pays(1) and costs.pages_pay(10**9, 1, tier="l3")
     assert costs.prefill_seconds_per_token is not None

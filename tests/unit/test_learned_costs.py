@@ -25,15 +25,15 @@ MODEL, BACKEND = "model-a", "CPU"
 def test_a_book_round_trips_exactly() -> None:
     book = CostBook()
     book.learn(MODEL, BACKEND, measured(0.004, 1e-9), now=100.0)
-    book.put("model-b", "CUDA0", CostRates(2e-4, None, 50.0))
+    book.put("model-b", "CUDA0", CostRates(2e-4, {}, 50.0))
     again = CostBook.from_bytes(book.to_bytes())
     assert again.dropped == 0 and len(again) == 2
     assert again.get(MODEL, BACKEND) == book.get(MODEL, BACKEND)
-    assert again.get("model-b", "CUDA0") == CostRates(2e-4, None, 50.0)
+    assert again.get("model-b", "CUDA0") == CostRates(2e-4, {}, 50.0)
     fresh = CostModel()
     assert again.seed(MODEL, BACKEND, fresh)
     assert fresh.prefill_seconds_per_token == pytest.approx(0.004)
-    assert fresh.restore_seconds_per_byte == pytest.approx(1e-9)
+    assert fresh.restore_rate("l3") == pytest.approx(1e-9)
     assert not again.seed(MODEL, "Metal", CostModel())
 
 
@@ -44,7 +44,7 @@ def test_seed_keeps_what_this_process_measured() -> None:
     costs.observe_prefill(100, 0.1)
     book.seed(MODEL, BACKEND, costs)
     assert costs.prefill_seconds_per_token == pytest.approx(0.001)
-    assert costs.restore_seconds_per_byte == pytest.approx(1e-9)
+    assert costs.restore_rate("l3") == pytest.approx(1e-9)
 
 
 def _entry(**kw: Any) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def _book(*entries: Any, v: Any = 1) -> bytes:
         (b"\xff\xfe not json", 0, 1),
         (b"[" * 100_000 + b"]" * 100_000, 0, 1),  # nesting deep enough to hit the recursion limit
         (b'"a string"', 0, 1),
-        (_book(_entry(), v=2), 0, 1),
+        (_book(_entry(), v=3), 0, 1),
         (_book(_entry(), v=True), 0, 1),
         (b" " * (MAX_BOOK_BYTES + 1), 0, 1),
         (json.dumps({"v": 1, "entries": {"not": "a list"}}).encode(), 0, 0),
@@ -101,13 +101,63 @@ def test_an_implausible_rate_is_dropped_alone() -> None:
     book = CostBook.from_bytes(_book(_entry(prefill_s_per_token=1e6)))
     rates = book.get(MODEL, BACKEND)
     assert rates is not None and rates.prefill_s_per_token is None
-    assert rates.restore_s_per_byte == pytest.approx(1e-9)
+    assert rates.restore_s_per_byte["l3"] == pytest.approx(1e-9)
+
+
+def test_a_version_1_book_is_read_as_l3_rates() -> None:
+    # books written before rates were keyed by tier held one restore rate: L3's
+    book = CostBook.from_bytes(_book(_entry()))
+    assert book.dropped == 0
+    rates = book.get(MODEL, BACKEND)
+    assert rates is not None and rates.restore_s_per_byte == {"l3": pytest.approx(1e-9)}
+    assert b'"v":2' in book.to_bytes() and b'"restore_s_per_byte":{"l3":' in book.to_bytes()
+
+
+@pytest.mark.parametrize(
+    "restore, kept",
+    [
+        ({"l3": 1e-9, "remote": 2e-8}, {"l3": 1e-9, "remote": 2e-8}),
+        ({"l3": 1e-9, "": 1e-9, "x" * 65: 1e-9, "l2": -1.0, "remote": "fast"}, {"l3": 1e-9}),
+        ({f"t{i}": 1e-9 for i in range(17)}, {}),  # more tiers than a book holds: none kept
+        (1e-9, {}),  # a version 2 entry's rates are a map
+        (["l3", 1e-9], {}),
+    ],
+)
+def test_a_version_2_books_tier_rates_are_validated_one_by_one(
+    restore: Any, kept: dict[str, float]
+) -> None:
+    book = CostBook.from_bytes(_book(_entry(restore_s_per_byte=restore), v=2))
+    rates = book.get(MODEL, BACKEND)  # the valid prefill rate keeps the entry
+    assert rates is not None and book.dropped == 0
+    assert rates.restore_s_per_byte == kept
+    empty = CostBook.from_bytes(
+        _book(_entry(prefill_s_per_token=None, restore_s_per_byte=restore), v=2)
+    )
+    assert len(empty) == (1 if kept else 0)
+
+
+def test_l3s_book_keeps_l3s_restore_rate_and_never_another_tiers() -> None:
+    costs = CostModel()
+    costs.observe_prefill(100, 0.1)
+    costs.observe_restore(10**6, 0.5, tier="remote")  # a slow network
+    costs.observe_restore(10**6, 0.001, tier="l2")
+    book = CostBook()
+    book.learn(MODEL, BACKEND, costs, now=1.0)
+    rates = book.get(MODEL, BACKEND)
+    assert rates is not None and rates.restore_s_per_byte == {}
+    costs.observe_restore(10**6, 0.01, tier="l3")
+    book.learn(MODEL, BACKEND, costs, now=2.0)
+    rates = book.get(MODEL, BACKEND)
+    assert rates is not None and rates.restore_s_per_byte == {"l3": pytest.approx(1e-8)}
+    fresh = CostModel()
+    assert book.seed(MODEL, BACKEND, fresh)
+    assert fresh.restore_rates == {"l3": pytest.approx(1e-8)}
 
 
 def test_flipped_bytes_never_raise() -> None:
     book = CostBook()
     for i in range(20):
-        book.put(f"model-{i}", BACKEND, CostRates(1e-3 * (i + 1), 1e-9, float(i)))
+        book.put(f"model-{i}", BACKEND, CostRates(1e-3 * (i + 1), {"l3": 1e-9}, float(i)))
     good = book.to_bytes()
     rng = random.Random(0)
     for _ in range(500):
@@ -146,11 +196,11 @@ def test_a_reopened_store_starts_with_the_costs_measured_before(tmp_path: Path) 
     assert first.admission is not None and first.learned is not None
     assert not first.learned.loaded and not first.admission.costs.measured
     first.admission.costs.observe_prefill(512, 2.0)
-    first.admission.costs.observe_restore(10**7, 0.01)
+    first.admission.costs.observe_restore(10**7, 0.01, tier="l3")
     record_now(first, chain(["a", "b"]))  # flush runs the housekeeping that saves them
     learned = (
         first.admission.costs.prefill_seconds_per_token,
-        first.admission.costs.restore_seconds_per_byte,
+        first.admission.costs.restore_rate("l3"),
     )
     closed(first)
 
@@ -158,7 +208,7 @@ def test_a_reopened_store_starts_with_the_costs_measured_before(tmp_path: Path) 
     assert second.admission is not None and second.learned is not None
     assert second.learned.loaded and second.admission.costs.measured
     costs = second.admission.costs
-    assert (costs.prefill_seconds_per_token, costs.restore_seconds_per_byte) == learned
+    assert (costs.prefill_seconds_per_token, costs.restore_rate("l3")) == learned
     # decisions use them at once: no write-through fallback for the first record
     record_now(second, chain(["c"]))
     assert second.admission.counters.fallback == 0

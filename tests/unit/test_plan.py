@@ -13,6 +13,7 @@ from skippy_llama.identity import chain_key, page_keys
 from skippy_llama.plan import Planner, Prompt
 from skippy_llama.tiers.base import (
     PageTier,
+    ParkPlan,
     RemoteMatch,
     RemotePageTier,
     ResidentMatch,
@@ -60,6 +61,15 @@ class FakeResident:
     def touch(self, seq_id: int) -> None:
         self.touched.append(seq_id)
 
+    def plan_park(self, root: bytes, tokens: np.ndarray) -> ParkPlan | None:
+        return ParkPlan(max(self.prefixes, default=0) + 1, len(tokens))
+
+    def commit_park(self, plan: ParkPlan, root: bytes, tokens: np.ndarray, handle: bytes) -> None:
+        self.prefixes[plan.seq_id] = tokens[: plan.n_tokens]
+
+    def abandon_park(self, plan: ParkPlan) -> None:
+        self.prefixes.pop(plan.seq_id, None)
+
     def status(self) -> Status:
         return Status(self.name)
 
@@ -77,6 +87,7 @@ class FakePages:
     name: str
     keys: set[bytes] = field(default_factory=set)
     takes_records: bool = True
+    in_memory: bool = False
     serving: bool = True
 
     def hold(self, tokens: np.ndarray) -> Self:
@@ -127,8 +138,8 @@ def slow_gpu_costs() -> CostModel:
     costs.observe_prefill(1000, 0.01)
     costs.observe_checkpoint_restore(0.060)
     costs.observe_park(0.060)
-    costs.observe_restore(10**6, 1.0)
-    costs.observe_restore(10**6, 1.0, ram=True)
+    costs.observe_restore(10**6, 1.0, tier="l3")
+    costs.observe_restore(10**6, 1.0, tier="l2")
     return costs
 
 
@@ -144,11 +155,69 @@ def test_nothing_cached_is_a_cold_plan() -> None:
 
 
 def test_the_live_sequence_is_kept_up_to_where_the_prompt_leaves_it() -> None:
-    prompt = Prompt(toks(300), 298, live=np.concatenate([toks(100), toks(50, 9000)]))
+    prompt = Prompt(toks(300), 298, live=np.concatenate([toks(100), toks(80, 9000)]))
     plan = planner(FakeResident()).plan(prompt)
     assert (plan.tier, plan.n_tokens, plan.keep) == ("l1", 100, 100)
-    assert plan.park  # the prompt leaves the live sequence's last 50 cells: keep them resident
-    assert not planner().plan(prompt).park  # without L1 there is nowhere to park
+    assert plan.park  # the prompt destroys the live sequence's last 80 cells: keep them resident
+    assert plan.park_skipped is None
+    alone = planner().plan(prompt)  # without L1 there is nowhere to park, and nothing skipped
+    assert not alone.park and alone.park_skipped is None
+
+
+# -- the park decision (issue 42): park only what the prompt destroys, when keeping it pays
+
+
+def doc_and_question(question: int, n_doc: int = 1293, n_question: int = 14) -> np.ndarray:
+    """A shared document and a question after it (the question's tokens differ per call)."""
+    return np.concatenate([toks(n_doc), toks(n_question, 10_000 + 100 * question)])
+
+
+def test_a_short_destroyed_tail_is_not_parked_before_costs_are_measured() -> None:
+    prompt = Prompt(doc_and_question(2), 1305, live=doc_and_question(1))
+    plan = planner(FakeResident()).plan(prompt)
+    assert (plan.tier, plan.keep) == ("l1", 1293)  # the document stays live
+    assert not plan.park
+    assert plan.park_skipped is not None and plan.park_skipped.startswith("14 tokens lost")
+
+
+def test_a_destroyed_tail_of_a_page_or_more_is_parked_before_costs_are_measured() -> None:
+    live = doc_and_question(1, n_question=PAGE)
+    plan = planner(FakeResident()).plan(Prompt(doc_and_question(2), 1305, live=live))
+    assert plan.park and plan.park_skipped is None
+    short = doc_and_question(1, n_question=PAGE - 1)
+    assert not planner(FakeResident()).plan(Prompt(doc_and_question(2), 1305, live=short)).park
+
+
+def test_the_shared_part_never_counts_toward_a_park() -> None:
+    # a live sequence that the prompt continues loses nothing, however long it is; the cells
+    # past the granule boundary are cut but prefilled again by the prompt itself
+    doc = toks(1293)
+    longer = Prompt(toks(1400), 1398, live=doc, granule=64)
+    plan = planner(FakeResident()).plan(longer)
+    assert (plan.keep, plan.park, plan.park_skipped) == (1280, False, None)
+    # a sliding-window cache dropped whole is prefilled again up to where the prompt leaves it
+    window = Prompt(toks(1400), 1398, live=doc, live_cells=1300, sliding_window=True)
+    dropped = planner(FakeResident()).plan(window)
+    assert (dropped.keep, dropped.park, dropped.park_skipped) == (0, False, None)
+
+
+def test_measured_costs_decide_the_park_by_the_destroyed_tokens_alone() -> None:
+    cpu = CostModel()
+    cpu.observe_prefill(1000, 0.06)  # 60 µs a token: SmolLM2-135M on 2 CPU cores
+    cpu.observe_park(0.022)  # the issue's 20-26 ms for a 1,293-token prefix
+    cpu.observe_checkpoint_restore(0.010)
+    p = planner(FakeResident(), costs=cpu)
+    # 14 lost tokens (0.8 ms of prefill) never repay a 32 ms park and restore, although the
+    # whole 1,307-token prefix (78 ms) would
+    short = p.plan(Prompt(doc_and_question(2), 1305, live=doc_and_question(1)))
+    assert not short.park and short.park_skipped is not None
+    assert "0.8 ms" in short.park_skipped and "32.0 ms" in short.park_skipped
+    # 800 lost tokens (48 ms) do
+    long_live = doc_and_question(1, n_question=800)
+    assert p.plan(Prompt(doc_and_question(2), 1305, live=long_live)).park
+    # a model that always parks keeps even the short tail
+    always = planner(FakeResident(), costs=AlwaysRestore())
+    assert always.plan(Prompt(doc_and_question(2), 1305, live=doc_and_question(1))).park
 
 
 def test_a_deeper_tier_wins_and_each_page_comes_from_the_cheapest_tier_holding_it() -> None:

@@ -9,12 +9,15 @@ record of recent conversations.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_cache_tree import IDENTITY, lookup, prompt, record, served
+from test_plan import PAGE as PLAN_PAGE
+from test_plan import FakePages, FakeRemote
 from test_tier_disk import raw_store
 
 from skippy_llama.cache import PrefixCache
@@ -22,6 +25,7 @@ from skippy_llama.config import L3Settings
 from skippy_llama.identity import page_keys
 from skippy_llama.plan import Prompt
 from skippy_llama.server.recent import RecentConversations
+from skippy_llama.tiers.base import PrefetchFill, PrefetchTier
 from skippy_llama.tiers.disk import DiskTier
 from skippy_llama.tiers.ram import PROMOTE_WINDOW_S, RamTier
 
@@ -117,7 +121,7 @@ def test_a_prefetch_larger_than_l2_keeps_its_first_pages(make: Make) -> None:
     # room for two and a half pages: the third page would only fit by evicting the first
     small = make(sizes[0] + sizes[1] + sizes[2] // 2)
     result = small.prefetch(a)
-    assert result.stopped == "l2_full"
+    assert result.stopped == "full"
     assert (result.pages, result.tokens) == (2, 256)
     ram = small.ram
     assert ram is not None and ram.status().prefetch_refused == 1
@@ -137,7 +141,7 @@ def test_a_later_prefetch_never_evicts_an_earlier_unused_one(make: Make) -> None
     small = make(a_bytes + size // 2)  # a's pages, and not one of b's besides
     assert small.prefetch(a).stopped == "complete"
     first = small.prefetch(b)
-    assert first.stopped == "l2_full" and first.pages == 0  # a is still the better bet
+    assert first.stopped == "full" and first.pages == 0  # a is still the better bet
     lookup(small, a, 298)  # a's request came: its pages are plain LRU pages now
     second = small.prefetch(b)
     assert second.stopped == "complete" and second.pages == 3
@@ -174,7 +178,7 @@ def test_a_damaged_l3_page_is_a_counted_miss(make: Make) -> None:
 
     result = cache.prefetch(a)  # never raises
 
-    assert result.stopped == "l3_miss"
+    assert result.stopped == "miss"
     assert (result.pages, result.tokens) == (2, 256)
     assert cache.counters.prefetch_misses == 1
     assert disk.status().process_activity.corrupt_entries == 1
@@ -247,3 +251,77 @@ def test_recent_conversations_keep_one_entry_per_conversation() -> None:
     assert [t[0] for t in recent.latest(5)] == [400, 300, 200]
     recent.add(np.zeros(0, dtype=np.int32))
     assert len(recent) == 3
+
+
+# -- prefetch through the tier protocol: any page tier a source, any prefetch tier a target
+
+
+@dataclass
+class FakeMirror(FakePages):
+    """A prefetch target holding whatever it is offered, up to ``room`` pages."""
+
+    room: int = 100
+    predicted: list[bytes] = field(default_factory=list)
+
+    def predict(self, keys: Sequence[bytes]) -> int:
+        held = [key for key in keys if key in self.keys]
+        self.predicted += held
+        return len(held)
+
+    def take_prefetched(
+        self, key: bytes, payload: bytes | memoryview, protect: frozenset[bytes]
+    ) -> PrefetchFill:
+        if key in self.keys:
+            return "held"
+        if len(self.keys) >= self.room:
+            return "full"
+        self.keys.add(key)
+        return "added"
+
+
+def fake_cache(*tiers: FakePages) -> PrefixCache:
+    return PrefixCache(identity=IDENTITY, page_tokens=PLAN_PAGE, tiers=tiers, bytes_per_token=1)
+
+
+def test_a_remote_tier_is_a_prefetch_source_and_any_prefetch_tier_a_target() -> None:
+    tokens = np.arange(300, dtype=np.int32)
+    keys = page_keys(IDENTITY.root, tokens[:256], PLAN_PAGE)
+    mirror = FakeMirror("mirror", keys={keys[0]}, takes_records=False)
+    disk = FakePages("disk", keys=set(keys[:2]))
+    remote = FakeRemote("remote", keys=set(keys))
+    assert isinstance(mirror, PrefetchTier) and not isinstance(disk, PrefetchTier)
+    cache = fake_cache(mirror, disk, remote)
+    assert cache.can_prefetch
+
+    result = cache.prefetch(tokens)
+
+    # page 0 was held, page 1 came from the disk tier, pages 2 and 3 from the remote one
+    assert (result.stopped, result.held, result.pages, result.tokens) == ("complete", 1, 3, 256)
+    assert mirror.keys == set(keys) and mirror.predicted == [keys[0]]
+    assert remote.asked == 1
+    plan = cache.plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.page_tiers) == ("mirror", ("mirror",))
+
+
+def test_a_prefetch_needs_a_target_and_a_deeper_source() -> None:
+    tokens = np.arange(300, dtype=np.int32)
+    only_source = fake_cache(FakePages("disk"), FakeRemote("remote"))
+    only_target = fake_cache(FakeMirror("mirror", takes_records=False))
+    for cache in (only_source, only_target):
+        assert not cache.can_prefetch and cache.prefetch(tokens).stopped == "off"
+    full = FakeMirror("mirror", takes_records=False, room=1)
+    remote = FakeRemote("remote", keys=set(page_keys(IDENTITY.root, tokens[:256], PLAN_PAGE)))
+    result = fake_cache(full, remote).prefetch(tokens)
+    assert (result.stopped, result.pages, result.tokens) == ("full", 1, 64)
+
+
+def test_l2_takes_no_page_l3_lacks_from_a_prefetch(make: Make) -> None:
+    """L2 mirrors L3: a page only the remote tier holds is ``foreign`` to it."""
+    cache = make()
+    a = prompt(0, 600, seed=1)
+    record(cache, a)
+    ram = cache.ram
+    assert ram is not None
+    key = page_keys(cache.root, a[:128], PAGE)[0]
+    assert ram.take_prefetched(b"\x09" * 16, b"payload") == "foreign"
+    assert ram.take_prefetched(key, b"payload") == "added" and ram.holds(key)

@@ -10,7 +10,7 @@ ROOT = b"\x01" * 16
 
 
 def _park(index: ResidentIndex, tokens: np.ndarray) -> int:
-    plan = index.plan_park(tokens)
+    plan = index.plan_park(ROOT, tokens)
     assert plan is not None
     index.commit_park(plan, ROOT, tokens, b"h")
     return plan.seq_id
@@ -52,7 +52,7 @@ def test_longest_of_several_entries_wins() -> None:
 def test_a_longer_prefix_supersedes_its_prefixes() -> None:
     index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=16)
     first = _park(index, toks(range(50)))
-    plan = index.plan_park(toks(range(120)))
+    plan = index.plan_park(ROOT, toks(range(120)))
     assert plan is not None and first in plan.evict
     index.commit_park(plan, ROOT, toks(range(120)), b"h")
     assert [e.n_tokens for e in index.entries()] == [120]
@@ -63,18 +63,18 @@ def test_lru_eviction_under_budget_and_pins() -> None:
     a = _park(index, toks(range(100)))
     b = _park(index, toks(range(1000, 1090)))
     index.pin(a)
-    plan = index.plan_park(toks(range(2000, 2100)))
+    plan = index.plan_park(ROOT, toks(range(2000, 2100)))
     assert plan is not None and plan.evict == (b,)  # a is pinned, b goes
     index.commit_park(plan, ROOT, toks(range(2000, 2100)), b"h")
     index.pin(plan.seq_id)
-    assert index.plan_park(toks(range(3000, 3100))) is None  # everything pinned
+    assert index.plan_park(ROOT, toks(range(3000, 3100))) is None  # everything pinned
     index.unpin(a)
-    assert index.plan_park(toks(range(3000, 3100))) is not None
+    assert index.plan_park(ROOT, toks(range(3000, 3100))) is not None
 
 
 def test_over_budget_prefix_is_truncated_to_whole_pages() -> None:
     index = ResidentIndex([1], budget_tokens=100, page_tokens=16)
-    plan = index.plan_park(toks(range(300)))
+    plan = index.plan_park(ROOT, toks(range(300)))
     assert plan is not None and plan.n_tokens == 96
 
 
@@ -90,20 +90,20 @@ def test_remove_and_clear_forget_keys() -> None:
 
 def test_a_prefix_already_held_is_not_parked_again() -> None:
     index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=64)
-    plan = index.plan_park(toks(range(300)))
+    plan = index.plan_park(ROOT, toks(range(300)))
     assert plan is not None
     index.commit_park(plan, ROOT, toks(range(300)), b"meta")
-    assert index.plan_park(toks(range(200))) is None  # the entry holds it whole
-    assert index.plan_park(toks(range(300))) is None
+    assert index.plan_park(ROOT, toks(range(200))) is None  # the entry holds it whole
+    assert index.plan_park(ROOT, toks(range(300))) is None
     assert index.entry(plan.seq_id).handle == b"meta"
 
 
 def test_abandoned_park_forgets_every_slot_it_touched() -> None:
     index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=64)
-    first = index.plan_park(toks(range(100)))
+    first = index.plan_park(ROOT, toks(range(100)))
     assert first is not None
     index.commit_park(first, ROOT, toks(range(100)), b"a")
-    longer = index.plan_park(toks(range(200)))
+    longer = index.plan_park(ROOT, toks(range(200)))
     assert longer is not None and first.seq_id in longer.evict
     index.abandon_park(longer)
     assert index.entries() == []
@@ -125,7 +125,7 @@ def test_sliding_window_checkpoints_serve_only_their_full_length() -> None:
 def test_a_match_changes_no_state_and_a_touch_makes_the_entry_most_recent() -> None:
     index = ResidentIndex([1, 2], budget_tokens=1000, page_tokens=64)
     for seq_id, start in ((1, 0), (2, 500)):
-        plan = index.plan_park(toks(range(start, start + 64)))
+        plan = index.plan_park(ROOT, toks(range(start, start + 64)))
         assert plan is not None and plan.seq_id == seq_id
         index.commit_park(plan, ROOT, toks(range(start, start + 64)), b"h")
     assert index.match(ROOT, toks(range(64)), 63) is not None

@@ -318,13 +318,13 @@ def test_trace_writer_holds_no_token_ids(tmp_path: Path) -> None:
 
 def test_cost_book_round_trip_and_garbage() -> None:
     book = CostBook()
-    book.put("model-a", "CPU", CostRates(0.004, 2e-9, 1.0))
-    book.put("model-a", "CUDA", CostRates(0.0001, None, 2.0))
+    book.put("model-a", "CPU", CostRates(0.004, {"l3": 2e-9}, 1.0))
+    book.put("model-a", "CUDA", CostRates(0.0001, {}, 2.0))
     again = CostBook.from_bytes(book.to_bytes())
-    assert again.get("model-a", "CPU") == CostRates(0.004, 2e-9, 1.0)
-    assert again.get("model-a", "CUDA") == CostRates(0.0001, None, 2.0)
+    assert again.get("model-a", "CPU") == CostRates(0.004, {"l3": 2e-9}, 1.0)
+    assert again.get("model-a", "CUDA") == CostRates(0.0001, {}, 2.0)
     assert again.get("model-b", "CPU") is None
-    for raw in [b"\xff\xfe", b"[]", b'{"v":2,"entries":[]}']:
+    for raw in [b"\xff\xfe", b"[]", b'{"v":3,"entries":[]}']:
         book = CostBook.from_bytes(raw)
         assert len(book) == 0 and book.dropped == 1
     mixed = json.dumps(
@@ -340,13 +340,13 @@ def test_cost_book_round_trip_and_garbage() -> None:
     ).encode()
     book = CostBook.from_bytes(mixed)
     assert book.dropped == 3
-    assert book.get("m", "CPU") == CostRates(0.01, None, 0.0)
+    assert book.get("m", "CPU") == CostRates(0.01, {}, 0.0)
 
 
 def test_cost_book_seeds_a_restarted_cost_model() -> None:
     learned = CostModel()
     learned.observe_prefill(256, 1.0)
-    learned.observe_restore(1_000_000, 0.002)
+    learned.observe_restore(1_000_000, 0.002, tier="l3")
     book = CostBook()
     book.learn("m", "CPU", learned, now=5.0)
     fresh = CostModel()

@@ -673,7 +673,7 @@ def test_removal_listener_invalidates_l2(open_tier: Any) -> None:
 def test_admission_rejects_records_that_restore_slower_than_prefill(open_tier: Any) -> None:
     costs = CostModel()
     costs.observe_prefill(1000, 0.001)  # 1 µs per token: a very fast GPU
-    costs.observe_restore(1000, 1.0)  # 1 ms per byte: a very slow disk
+    costs.observe_restore(1000, 1.0, tier="l3")  # 1 ms per byte: a very slow disk
     policy = AdmissionPolicy(costs)
     tier = open_tier(admission=policy)
     record_now(tier, chain(["a", "b"]))
@@ -741,7 +741,7 @@ def test_a_pending_record_never_written_is_released_and_never_made(
 ) -> None:
     costs = CostModel()
     costs.observe_prefill(1000, 0.001)  # restores slower than prefills: admission refuses
-    costs.observe_restore(1000, 1.0)
+    costs.observe_restore(1000, 1.0, tier="l3")
     tier = open_tier(writer_queue=1, admission=AdmissionPolicy(costs) if why == "refused" else None)
     gate = threading.Event()
     if why == "queue_full":

@@ -19,9 +19,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ...admission import CostModel
+from ...costs import CostModel
 from ...errors import StoreDataError
 from .context import Parts
+from .costs import TIER
 from .pins import Pins
 from .policy_api import PageStats, Policy, chain_lengths
 from .schema import MAN, META, Manifest, PageMeta
@@ -39,10 +40,11 @@ class Candidate:
 def page_stats(
     key: bytes, meta: PageMeta, costs: CostModel | None = None, chain_pages: int = 1
 ) -> PageStats:
-    """What a policy may know about a stored page (costs are 0.0 while unmeasured;
-    ``chain_pages`` from :func:`~.policy_api.chain_lengths` over the store's metadata)."""
+    """What a policy may know about a stored page (costs are 0.0 while unmeasured; the restore
+    at L3's own rate; ``chain_pages`` from :func:`~.policy_api.chain_lengths` over the store's
+    metadata)."""
     prefill = costs.cold_cost(meta.n_tokens) if costs is not None else None
-    restore = costs.restore_cost(meta.size) if costs is not None else None
+    restore = costs.restore_cost(meta.size, tier=TIER) if costs is not None else None
     return PageStats(
         key=key,
         size=meta.size,

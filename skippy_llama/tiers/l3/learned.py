@@ -3,7 +3,8 @@
 A process starts with no measurements, and until it has both a prefill and a restore timing the
 admission policy falls back to write-through and the page policy ranks without benefit. The
 store therefore keeps a :class:`~.costs.CostBook` under one info key (``schema.COSTS``): the
-rates each (model identity, backend) pair last learned. A tier opened for a model seeds its
+rates each (model identity, backend) pair last learned (the prefill rate and L3's own restore
+rate: restores other tiers served are not L3's to keep). A tier opened for a model seeds its
 :class:`~skippy_llama.admission.CostModel` from its entry, so a restarted process decides with
 what earlier ones measured, and its own measurements go back into the book in the writer's
 housekeeping transaction (only when they changed), merged with the entries of other models.
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 import time
 
-from ...admission import CostModel
+from ...costs import CostModel
 from .context import Parts
-from .costs import CostBook
+from .costs import TIER, CostBook
 from .schema import COSTS, TAG_BYTES
 from .store import DiskStore, StoreReader
 
@@ -37,7 +38,7 @@ class LearnedCosts:
         self.loaded = False  # True when the book had rates for this model and backend
 
     def _rates(self) -> tuple[float | None, float | None]:
-        return (self.costs.prefill_seconds_per_token, self.costs.restore_seconds_per_byte)
+        return (self.costs.prefill_seconds_per_token, self.costs.restore_rate(TIER))
 
     def _read(self, store: StoreReader, *, count: bool = True) -> CostBook:
         """The stored book; damage is counted once, at load (a save merges and overwrites)."""

@@ -25,6 +25,7 @@ from ...admission import AdmissionPolicy
 from ...codecs import cachegen, encode, select
 from ..records import PrefixRecord
 from .context import Parts
+from .costs import TIER
 from .eviction import Evictor
 from .pins import Pins
 from .policy_api import LOW_WATERMARK, PageStats, Policy
@@ -119,7 +120,7 @@ class Recorder:
                 last_used=now,
                 chain_pages=len(rec.pages),
                 prefill_s=(costs.cold_cost(page.n_tokens) or 0.0) if costs else 0.0,
-                restore_s=(costs.restore_cost(size) or 0.0) if costs else 0.0,
+                restore_s=(costs.restore_cost(size, tier=TIER) or 0.0) if costs else 0.0,
             )
             if self.policy.admit(stats, now):
                 continue

@@ -27,6 +27,7 @@ from ..records import ClearResult, DiskState, DiskStatus, PrefixRecord, PruneRes
 from .admin import Admin
 from .auth import Signer, load_secret
 from .context import Parts
+from .costs import TIER
 from .eviction import Evictor
 from .health import ENTRY_FLOOR, Health
 from .learned import LearnedCosts
@@ -76,8 +77,9 @@ class DiskTier:
     """
 
     #: the page-tier protocol (tiers/base.py): L3 takes the runtime's records
-    name = "l3"
+    name = TIER
     takes_records = True
+    in_memory = False
 
     def __init__(
         self,

@@ -34,9 +34,10 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from ...admission import CostModel
+from ...costs import CostModel
 from ...errors import ConfigError, SkippyError
 from ...identity import chain_key
+from .costs import TIER
 
 TRACE_VERSION = 1
 #: Hex characters kept of each 16-byte page key: 64 bits make a collision in a trace of a
@@ -179,7 +180,7 @@ class TraceWriter:
         with the cost model's current rates."""
         keys, counts = page_keys(root, tokens, limit, self.page_tokens)
         prefill = costs.prefill_seconds_per_token if costs is not None else None
-        restore = costs.restore_seconds_per_byte if costs is not None else None
+        restore = costs.restore_rate(TIER) if costs is not None else None
         event = LookupEvent(
             time.time(), keys, counts, len(tokens), hit_tokens, tier, prefill, restore
         )

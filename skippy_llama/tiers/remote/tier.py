@@ -45,6 +45,7 @@ class RemoteTier:
 
     name = "remote"
     takes_records = False
+    in_memory = False
 
     def __init__(
         self,
