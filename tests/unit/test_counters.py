@@ -50,7 +50,7 @@ def test_every_counter_is_in_the_json_and_written_through_the_cache() -> None:
     cache.count_parked_ahead()
     cache.count_prepared(8)
     cache.count_prefetch(PrefetchResult(pages=3, bytes=300, stopped="complete"))
-    cache.count_prefetch(PrefetchResult(stopped="l3_miss"))
+    cache.count_prefetch(PrefetchResult(stopped="miss"))
     cache.fallback("record: OSError")
     counts = cache.counters_json()
     assert set(counts) == {f.name for f in fields(CacheCounters)}
