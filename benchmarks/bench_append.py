@@ -101,7 +101,7 @@ def main() -> int:
             for mode in order:
                 llm.create_completion(setup, max_tokens=1)  # the live L1 prefix: short tokens
                 # the verdict SkippyLlama read at load (its ``native_verdict``), swapped per arm
-                llm._verdict = verdict if mode == "append" else no_append
+                llm.working._verdict = verdict if mode == "append" else no_append
                 llm.create_completion(prompt, max_tokens=1)
                 event = llm.last_cache_event
                 assert event is not None and event.tier == "l3", event

@@ -177,10 +177,10 @@ def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
     """Wrap ``llm``'s restore steps (instance attributes) to sum their wall time per phase."""
     kv = llm.seam
     owners = {
-        "fetch": (llm.prefix_cache, "fetch_pages"),
+        "fetch": (llm.prefix_cache.pages, "fetch"),
         "take": (kv.buffers, "take"),
         "assemble": (kv, "_assemble"),
-        "promote": (llm.prefix_cache, "promote"),
+        "promote": (llm.prefix_cache.pages, "promote"),
         "import": (kv, "_import"),
         "capture": (kv, "capture"),
     }
@@ -213,6 +213,7 @@ CHAT_STEPS = ("execute", "park", "after_request", "capture", "flush")
 #: where each step lives: the seam, the runtime or its recorder
 _STEP_OWNER = {
     "execute": "seam",
+    "park": "seam",
     "capture": "seam",
     "after_request": "recorder",
     "flush": "recorder",

@@ -2,19 +2,19 @@
 
 It decides *what* to reuse and never touches llama.cpp. A request flows down and back once::
 
-    tokens -> PrefixCache.plan() -> RestorePlan -> runtime KV seam executes it -> commit()
+    tokens -> PrefixCache.plan() -> RestorePlan -> KV seam executes it (reading PrefixCache.pages)
+           -> commit()
 
 :meth:`PrefixCache.plan` asks the :class:`~skippy_llama.plan.Planner` (no side effects);
-:meth:`PrefixCache.fetch` reads a plan's pages; :meth:`PrefixCache.commit` writes the counters,
-the trace and the promotions once, from what actually served. The counters
-(:mod:`skippy_llama.counters`) are written only here, by ``commit`` and the ``count_*`` methods.
-Every deeper tier is fail-open: a fault is counted and the request falls back to the
-next-shallower plan.
+:attr:`PrefixCache.pages` is the page source the runtime's seam reads a plan's pages from;
+:meth:`PrefixCache.commit` writes the counters, the trace and the promotions once, from what
+actually served. The counters (:mod:`skippy_llama.counters`) are written only here, by
+``commit`` and the ``count_*`` methods. Every deeper tier is fail-open: a fault is counted and
+the request falls back to the next-shallower plan.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -27,7 +27,8 @@ import numpy.typing as npt
 from .costs import CostModel
 from .counters import CacheCounters, is_hit
 from .identity import CacheIdentity, chain_key, token_bytes
-from .plan import FetchedPage, PageRef, Planner, Prompt, RestoreOutcome, RestorePlan
+from .page_source import TierPages
+from .plan import Planner, Prompt, RestoreOutcome, RestorePlan
 from .prefetch import Prefetcher, PrefetchResult
 from .state import SequenceState, slice_state, sort_by_position
 from .tiers.base import (
@@ -89,6 +90,8 @@ class PrefixCache:
         self.costs = costs if costs is not None else CostModel()
         self.bytes_per_token = bytes_per_token
         self.planner = Planner(self.root, page_tokens, self.tiers, self.costs, bytes_per_token)
+        #: what the runtime's KV seam reads a plan's pages from (and promotes them through)
+        self.pages = TierPages(self.tiers)
         self._counters = CacheCounters()
         # the counters are written from the request thread and from prefetches on others
         self._count_lock = threading.Lock()
@@ -158,43 +161,6 @@ class PrefixCache:
         """The plan for ``prompt`` (no side effects; see :class:`~skippy_llama.plan.Planner`)."""
         return self.planner.plan(prompt, exclude=exclude)
 
-    def fetch(self, plan: RestorePlan) -> tuple[list[FetchedPage], str | None]:
-        """The pages of ``plan``, in order, as far as they can be read and verified.
-
-        Returns the pages and, when some are missing, a note saying how far the fetch got
-        (:meth:`short_note`). A page L3 read uncompressed is a view into the reading thread's
-        buffer: restore it before that thread's next fetch.
-        """
-        out = self.fetch_pages(plan.pages)
-        return out, None if len(out) == len(plan.pages) else self.short_note(plan, len(out))
-
-    def fetch_pages(self, pages: Sequence[PageRef]) -> list[FetchedPage]:
-        """The longest prefix of ``pages`` that can be read and verified (part of a plan: a
-        pipelined restore fetches its pages a chunk at a time)."""
-        out: list[FetchedPage] = []
-        for name, group in itertools.groupby(pages, key=lambda page: page.tier):
-            run = list(group)
-            tier = self.tier(name)
-            got = tier.fetch([p.key for p in run]) if isinstance(tier, PageTier) else []
-            out += [FetchedPage(name, p.key, b) for p, b in zip(run, got, strict=False)]
-            if len(got) < len(run):
-                break
-        return out
-
-    def reads_storage(self, plan: RestorePlan) -> bool:
-        """Whether fetching ``plan``'s pages reads storage or the network (some page is not
-        in L2's host RAM), so that a restore has reads to overlap."""
-        return any(not isinstance(self.tier(page.tier), RamTier) for page in plan.pages)
-
-    @staticmethod
-    def short_note(plan: RestorePlan, n_fetched: int) -> str:
-        """What a fetch that got only the first ``n_fetched`` of the plan's pages served."""
-        served = plan.n_tokens - sum(page.used for page in plan.pages[n_fetched:])
-        return (
-            f"{plan.pages[n_fetched].tier}: served {served} of {plan.n_tokens} tokens; a page "
-            "was missing or failed verification"
-        )
-
     def commit(self, planned: RestorePlan, outcome: RestoreOutcome, prompt: Prompt) -> None:
         """Count, trace and promote what served the request (once, after the restore)."""
         with self._count_lock:
@@ -219,7 +185,7 @@ class PrefixCache:
             self._l1.touch(served.seq_id)
         if outcome.fetched:
             if not outcome.promoted:
-                self.promote(outcome.fetched, outcome.n_tokens)
+                self.pages.promote(outcome.fetched, outcome.n_tokens)
             # booked to the deepest tier that served: its reads dominate the restore's time
             served_by = self._deepest(page.tier for page in outcome.fetched)
             self.costs.observe_restore(outcome.restored_bytes, outcome.restore_s, tier=served_by)
@@ -234,16 +200,6 @@ class PrefixCache:
         """Of tier ``names``, the one latest in the cache's order (the most expensive)."""
         order = {t.name: i for i, t in enumerate(self.tiers)}
         return max(names, key=lambda name: order.get(name, -1))
-
-    def promote(self, fetched: Sequence[FetchedPage], prefix_tokens: int) -> None:
-        """Offer pages fetched from a deeper tier to the shallower page tiers (L3 -> L2), for a
-        prefix of ``prefix_tokens``; before the reading thread's next fetch reuses their bytes."""
-        order = [t.name for t in self.tiers]
-        for page in fetched:
-            depth = order.index(page.tier) if page.tier in order else 0
-            for tier in self.tiers[:depth]:
-                if isinstance(tier, PageTier):
-                    tier.promote(page.key, page.payload, prefix_tokens)
 
     @property
     def can_prefetch(self) -> bool:

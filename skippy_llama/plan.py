@@ -4,8 +4,10 @@ A prompt's tokens and the live working sequence go in (:class:`Prompt`); one
 :class:`RestorePlan` comes out: which live cells to keep, whether to checkpoint the live
 sequence first, the L1 checkpoint or the pages (per tier) to restore, where the suffix starts,
 and why this plan won. Every gate lives here: the canonical granule, ``logits_all``, the sliding
-window, the L1 cost rule, the L2/L3 cost rule. A step that fails while the runtime executes a plan
-asks the same planner again with the failed tiers excluded (``exclude``): the next-shallower plan.
+window, the L1 cost rule, the L2/L3 cost rule. A plan carries what executing it needs (the pages,
+the checkpoint's handle); the runtime's KV seam reads the pages from a :class:`PageSource` and
+says what it did in a :class:`RestoreOutcome`. When a step fails, the request path asks the same
+planner again with the failed tiers excluded (``exclude``): the next-shallower plan.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -89,6 +92,7 @@ class RestorePlan:
         park_skipped: why the live sequence was not parked although the prompt destroys some
             of it (None when it destroys nothing, or there is no L1).
         seq_id: the L1 checkpoint to copy, if any.
+        handle: that checkpoint's handle (what the runtime restores it from).
         pages: the pages to fetch and restore, in order.
         base_tokens: for an append plan, the tokens kept from the live sequence (``seq_id`` None)
             or the checkpoint ``seq_id`` below the pages; 0 for a plan that rebuilds the prefix.
@@ -107,6 +111,7 @@ class RestorePlan:
     park: bool = False
     park_skipped: str | None = None
     seq_id: int | None = None
+    handle: bytes = b""
     pages: tuple[PageRef, ...] = ()
     base_tokens: int = 0
     floor: int = 0
@@ -126,6 +131,14 @@ class RestorePlan:
     def page_tiers(self) -> tuple[str, ...]:
         """The tiers the pages come from, each once, in order."""
         return tuple(dict.fromkeys(page.tier for page in self.pages))
+
+    def short_note(self, n_fetched: int) -> str:
+        """What a fetch that got only the first ``n_fetched`` of the pages serves."""
+        served = self.n_tokens - sum(page.used for page in self.pages[n_fetched:])
+        return (
+            f"{self.pages[n_fetched].tier}: served {served} of {self.n_tokens} tokens; a page "
+            "was missing or failed verification"
+        )
 
     def truncated(self, n: int) -> RestorePlan:
         """The same plan cut to ``n`` tokens (a short fetch; ``n`` above ``floor``)."""
@@ -210,7 +223,12 @@ class Planner:
             n = prompt.aligned(hit.n_tokens) if hit is not None else 0
             if hit is not None and n > live:
                 best = dataclasses.replace(
-                    base, tier="l1", n_tokens=n, seq_id=hit.seq_id, reason="resident checkpoint"
+                    base,
+                    tier="l1",
+                    n_tokens=n,
+                    seq_id=hit.seq_id,
+                    handle=hit.handle,
+                    reason="resident checkpoint",
                 )
         best = self._pages(prompt, limit, best, exclude, skipped)
         if best.seq_id is not None and not best.pages:
@@ -363,6 +381,7 @@ class Planner:
             pages=tuple(pages),
             base_tokens=floor if append else 0,
             seq_id=best.seq_id if append else None,
+            handle=best.handle if append else b"",
             floor=floor,
             expected_s=self.costs.restore_cost(moved * self.bytes_per_token, tier=deepest),
             cold_s=self.costs.cold_cost(usable - floor),
@@ -380,12 +399,37 @@ class FetchedPage:
     payload: bytes | memoryview
 
 
+class PageSource(Protocol):
+    """Where the KV seam reads a plan's pages (``PrefixCache.pages``: the page tiers).
+
+    The seam gets this, never the cache: executing a plan reads pages and hands the ones read
+    from deeper tiers back for promotion, and nothing else.
+    """
+
+    def fetch(self, pages: Sequence[PageRef]) -> list[FetchedPage]:
+        """The longest prefix of ``pages`` that can be read and verified, in order. A page L3
+        read uncompressed is a view into the reading thread's buffer: restore it (and promote
+        it) before that thread's next fetch."""
+        ...
+
+    def promote(self, fetched: Sequence[FetchedPage], prefix_tokens: int) -> None:
+        """Offer pages fetched from a deeper tier to the shallower page tiers (L3 -> L2), for a
+        prefix of ``prefix_tokens``."""
+        ...
+
+    def reads_storage(self, pages: Sequence[PageRef]) -> bool:
+        """Whether fetching ``pages`` reads storage or the network (some page is not in host
+        RAM), so that a restore has reads to overlap."""
+        ...
+
+
 @dataclass
 class RestoreOutcome:
     """What executing a plan did (the runtime's KV seam fills it in).
 
     Attributes:
-        plan: the plan that served: the planned one, cut short, or a shallower fallback.
+        plan: the plan that served: the planned one, cut short, or a shallower fallback; for a
+            ``failed`` outcome, the plan that failed.
         restored: cells were written into the working sequence (a checkpoint or pages), so the
             runtime adopts the prompt's first ``plan.n_tokens`` tokens; False when only live
             cells were kept.
@@ -396,6 +440,11 @@ class RestoreOutcome:
             read buffers are reused chunk after chunk: the payloads are no longer valid).
         fallbacks: why a step was abandoned, for the request's ``CacheEvent``.
         faults: the same as counter keys (``step: ExceptionType`` or ``l3_short_read``).
+        failed: a step failed and the plan served nothing: the working sequence keeps at most
+            its first ``plan.keep`` cells, and the request path plans again without the failed
+            tiers (:attr:`RestorePlan.page_tiers`, or ``l1``).
+        broken_checkpoint: an L1 checkpoint that could not be copied (the request path drops
+            it from L1).
     """
 
     plan: RestorePlan
@@ -406,6 +455,13 @@ class RestoreOutcome:
     promoted: bool = False
     fallbacks: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+    failed: bool = False
+    broken_checkpoint: int | None = None
+
+    @property
+    def failed_tiers(self) -> tuple[str, ...]:
+        """The tiers a failed plan read from: what the next plan leaves out."""
+        return self.plan.page_tiers or ("l1",)
 
     @property
     def tier(self) -> str:

@@ -16,11 +16,12 @@ def gpu_like(set_attr: Setter = setattr) -> None:
     any build."""
     from skippy_llama.runtime import llama as runtime
     from skippy_llama.runtime import probes
+    from skippy_llama.runtime.working import WorkingSequence
 
     init = runtime.SkippyLlama.__init__
 
-    def canonical_granule(llm: runtime.SkippyLlama) -> int:
-        return int(llm.context_params.n_ubatch)
+    def canonical_granule(seq: WorkingSequence) -> tuple[int, str | None]:
+        return int(seq.llm.context_params.n_ubatch), None
 
     def gpu_like_init(self: runtime.SkippyLlama, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)

@@ -3,47 +3,57 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from ..cache import PrefixCache
+from ..config import Settings
 from ..costs import CostModel
+from ..identity import CacheIdentity
 from ..state import KVLayout
 from ..tiers.factory import TierContext, build_tiers
 from .seam import backend_name
 
-if TYPE_CHECKING:
-    from .llama import SkippyLlama
-
 log = logging.getLogger("skippy_llama")
 
 
-def l1_budget(llm: SkippyLlama, slots: int) -> int:
-    """Tokens L1 may keep resident (0: no L1), logged once."""
-    if not llm.caching or slots <= 0:
-        if not llm.caching:
-            log.warning("skippy-llama cache disabled: %s", llm.cache_disabled_reason)
+def l1_budget(
+    settings: Settings, n_ctx: int, slots: int, *, on_device: bool, disabled_reason: str | None
+) -> int:
+    """Tokens L1 may keep resident (0: no L1), logged once; ``disabled_reason``: why the
+    cache is off (None: it is on)."""
+    if disabled_reason is not None or slots <= 0:
+        if disabled_reason is not None:
+            log.warning("skippy-llama cache disabled: %s", disabled_reason)
         return 0
     # checkpoints hold their own cells: the default budget of n_ctx tokens keeps the KV
     # memory at most twice what plain Llama takes
-    budget = llm.cache_settings.l1.budget_tokens or llm.n_ctx()
+    budget = settings.l1.budget_tokens or n_ctx
     log.info(
         "skippy-llama: L1 keeps up to %d resident prefixes, %d tokens in all, in %s "
         "(KV memory at most %.1fx plain Llama's)",
         slots,
         budget,
-        "device checkpoints" if llm.seam.on_device else "host memory (quantized K/V)",
-        1 + budget / llm.n_ctx(),
+        "device checkpoints" if on_device else "host memory (quantized K/V)",
+        1 + budget / n_ctx,
     )
     return budget
 
 
 def open_cache(
-    llm: SkippyLlama, layout: KVLayout | None, costs: CostModel, slots: int, window: int
+    settings: Settings,
+    identity: CacheIdentity,
+    layout: KVLayout | None,
+    costs: CostModel,
+    *,
+    caching: bool,
+    slots: int,
+    budget: int,
+    window: int,
 ) -> PrefixCache:
-    """The cache of ``llm``, with the tiers its settings ask for (fail-open: a tier that cannot
-    open is left out); ``layout`` is None where it was not read (no page tier wants it)."""
-    settings = llm.cache_settings
-    pageable = llm.caching and layout is not None and layout.pageable and window == 0
+    """The cache of a context, with the tiers ``settings`` ask for (fail-open: a tier that
+    cannot open is left out); ``layout`` is None where it was not read (no page tier wants
+    it), ``slots`` and ``budget`` are L1's (:func:`l1_budget`), ``window`` the model's
+    sliding window (0: none)."""
+    pageable = caching and layout is not None and layout.pageable and window == 0
     # measured by scripts/certify.py (roster/split-certified.json, gemma3 rows): the state of a
     # sliding-window model has a second section holding only the window's cells, so pages cut
     # from a capture cannot rebuild a shorter prefix
@@ -51,18 +61,18 @@ def open_cache(
     tiers = build_tiers(
         TierContext(
             settings=settings,
-            identity=llm.cache_identity,
+            identity=identity,
             backend=backend_name(),
             costs=costs,
             pageable=pageable,
             unpageable_reason=why,
-            resident_slots=range(1, slots + 1) if llm.l1_budget_tokens else (),
-            l1_budget_tokens=llm.l1_budget_tokens,
+            resident_slots=range(1, slots + 1) if budget else (),
+            l1_budget_tokens=budget,
             window=window,
         )
     )
     return PrefixCache(
-        identity=llm.cache_identity,
+        identity=identity,
         page_tokens=settings.page_tokens,
         tiers=tiers,
         costs=costs,

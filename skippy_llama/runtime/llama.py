@@ -6,10 +6,12 @@ Resident prefixes (L1) are llama.cpp *device checkpoints* kept under sequence id
 prompt is prefilled, the cache plans how to get its longest cached prefix into sequence 0
 (:mod:`skippy_llama.plan`), the KV seam executes that plan (:mod:`.seam`), the cache commits what
 served (:meth:`PrefixCache.commit`), and only the suffix is decoded. This class keeps the
-``Llama`` overrides and tracks which cells are exact: only the part of the sequence decoded in
-batches (as a cold prefill would have) is reused or recorded; a lone generated token only where
-the load-time probe found lone decodes bit-identical to batched ones (``lone_decodes_exact``).
-Probes, recording, chat repair and status live in their own modules beside this one.
+``Llama`` overrides; which cells are exact is tracked by its :class:`~.working.WorkingSequence`:
+only the part of the sequence decoded in batches (as a cold prefill would have) is reused or
+recorded; a lone generated token only where the load-time probe found lone decodes
+bit-identical to batched ones (``lone_decodes_exact``). The request path, probes, recording, chat
+repair and status live in their own modules beside this one, and take the working sequence and
+the cache, never this object.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from . import probes, repair
 from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
-from .layout import read_layout, verdict
 from .prompt_tokens import completion_tokens
 from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder
 from .restore import restore_prefix
@@ -48,6 +49,7 @@ from .restore_points import RestorePointPath, open_restore_points
 from .seam import KVSeam, backend_name
 from .status import cache_status
 from .timing import on_tokens
+from .working import WorkingSequence, guard
 
 log = logging.getLogger("skippy_llama")
 
@@ -104,30 +106,18 @@ class SkippyLlama(llama_cpp.Llama):
                 kwargs[side] = ggml_id
         self.in_generate = False
         self._chat_request = False  # inside create_chat_completion: a later prompt extends it
-        # with logits_all: leading working-sequence tokens whose logits rows this object
-        # computed (restored cells come without rows, and llm.scores, prompt logprobs and
-        # perplexity loops read them)
-        self._scored = 0
-        # leading working-sequence tokens whose cells equal a batched (cold) prefill's
-        self._exact = 0
-        #: the last request's reply [reply_start, n_tokens) and whether it may be repaired
-        self.reply_start = 0
-        self.reply_repairable = False
         self._epoch = 0  # request counter: a stream finalized late must not touch a newer one
-        self.chat_head: list[int] | None = None  # the chat template's head, once looked up
-        self.last_sampled: int | None = None  # the last request's last token (not evaluated)
-        self.recorder = Recorder(self)
         slots = settings.l1.max_prefixes if settings.l1.enabled else 0
         # sequence 1 doubles as the scratch sequence of range captures for records (stock builds)
         aux = max(slots, 1 if wants_pages(settings) else 0)
         with adjusted(sequence_count(1 + aux)):
             super().__init__(model_path, **kwargs)
-        self.cache_disabled_reason: str | None = None
+        disabled: str | None = None
         if self.context_params.embeddings:
-            self.cache_disabled_reason = "embedding contexts are not cached"
+            disabled = "embedding contexts are not cached"
         elif self._is_recurrent or self._is_hybrid:
             arch = str(self.metadata.get("general.architecture", "unknown"))
-            self.cache_disabled_reason = paging_refusal(arch, (), recurrent=True)
+            disabled = paging_refusal(arch, (), recurrent=True)
         # llama.cpp's device checkpoints view a quantized K/V range as size / type_size
         # *elements* (blocks, not elements: 1/32 of a Q8_0 range is copied), so a restore brings
         # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
@@ -140,18 +130,16 @@ class SkippyLlama(llama_cpp.Llama):
         on_cpu = backend_name() == "CPU"
         pool = BufferPool(keep=1 if on_cpu else 2)
         self.seam = KVSeam(self.ctx, pool, on_device=on_device)
-        self.granule = probes.canonical_granule(self)
-        #: Whether a token decoded alone leaves the cells and logits a batched prefill gives it
-        #: (probed at load): then a reply is reusable as generated, and nothing is repaired.
-        self.lone_decodes_exact = self.granule == 1 and probes.lone_decodes_exact(self)
-        #: A record of the working sequence waits while fewer than this many of its tokens are
-        #: unrecorded (0: never waits; GPU builds: always). On a GPU build a capture copies
-        #: from the device (one synchronized copy per layer and K/V on a stock build, ~1 ms
-        #: each on an H200), which must not sit between a reply and the next request; the
-        #: record is made before another prompt takes the sequence, in ``prepare_next_turn``
-        #: and in ``close``, so an orderly exit loses nothing. On the CPU a capture is a
-        #: memcpy: nothing to save.
-        self.defer_record_tokens = 0 if on_cpu else DEFER_RECORD_TOKENS
+        self.working = seq = WorkingSequence(
+            self,
+            self.seam,
+            disabled_reason=disabled,
+            allow_uncertified=settings.native.allow_uncertified,
+            repair_generated=settings.l1.repair_generated,
+        )
+        seq.granule, refused = probes.canonical_granule(seq)
+        seq.disabled_reason = seq.disabled_reason or refused
+        seq.lone_decodes_exact = seq.granule == 1 and probes.lone_decodes_exact(seq)
         #: Long page restores run in chunks, each read and assembled while the last is
         #: imported (``KVSeam._pipelined``; needs the append import). On GPU builds: the H100's
         #: first 32k-token L3 restore went from 0.56 to 0.34 of a cold prefill. On the CPU the
@@ -162,26 +150,33 @@ class SkippyLlama(llama_cpp.Llama):
             offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)
             self.seam.buffers.pinner = cuda_pinner(backend_name(), offloaded)
         window = int(llama_cpp.llama_model_n_swa(self._model.model))
-        #: Whether the model attends through a sliding window (its cache is never cut back).
-        self.sliding_window = window > 0
-        self.l1_budget_tokens = l1_budget(self, slots)
-        self._kv_layout: KVLayout | None = None
-        self._layout_read = False
-        self._verdict: Verdict | None = None
-        if wants_pages(settings):
-            # the durable identity and pages need the layout now; L1 alone reads it only when
-            # asked (cache_status), so loading costs what plain Llama's does
-            self._kv_layout = self.kv_layout
+        seq.sliding_window = window > 0
+        self.l1_budget_tokens = l1_budget(
+            settings, self.n_ctx(), slots, on_device=on_device, disabled_reason=seq.disabled_reason
+        )
+        # the durable identity and pages need the layout now; L1 alone reads it only when
+        # asked (cache_status), so loading costs what plain Llama's does
+        layout = seq.layout if wants_pages(settings) else None
         self.cache_identity = build_identity(
-            self, settings, self._kv_layout, split_dependent=self.granule > 1
+            self, settings, layout, split_dependent=seq.granule > 1
         )
         costs = cost_model if cost_model is not None else CostModel()
-        self.prefix_cache = open_cache(self, self._kv_layout, costs, slots, window)
+        self.prefix_cache = open_cache(
+            settings,
+            self.cache_identity,
+            layout,
+            costs,
+            caching=self.caching,
+            slots=slots,
+            budget=self.l1_budget_tokens,
+            window=window,
+        )
         #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
         #: the paged cache refuses) where they are exact; None otherwise.
         self.restore_points: RestorePointPath | None = (
             open_restore_points(self) if self.cache_disabled_reason is not None else None
         )
+        self.recorder = Recorder(seq, self.prefix_cache, 0 if on_cpu else DEFER_RECORD_TOKENS)
 
     @classmethod
     def from_package(
@@ -210,131 +205,61 @@ class SkippyLlama(llama_cpp.Llama):
         llm.kv_dtype = resolution
         return llm
 
-    # -- context and identity -------------------------------------------------------------
+    # -- what the working sequence knows (see ``working.py``) -------------------------------
 
     @property
     def kv_layout(self) -> KVLayout | None:
-        """The byte layout of this context's KV cells (``None`` when unknown or not caching).
-
-        Read on first use: from one cell of the working sequence when it holds any, otherwise by
-        decoding one token into it and dropping it again.
-        """
-        if not self._layout_read and self.caching:
-            try:
-                self._kv_layout = read_layout(self)
-            except Exception as exc:  # fail-open: without a layout only L1 is used
-                log.warning("skippy-llama: could not read the KV layout (%s); L2/L3 disabled", exc)
-                self._layout_read = True
-            else:
-                self._layout_read = self._kv_layout is not None or self.n_tokens == 0
-        return self._kv_layout
+        """The byte layout of this context's KV cells (``None`` when unknown or not caching),
+        read on first use."""
+        return self.working.layout
 
     @property
     def native_verdict(self) -> Verdict:
         """Whether the loaded llama.cpp carries skippy's patches, certified for this model."""
-        if self._verdict is None:
-            found = verdict(self, self.kv_layout)
-            if self._kv_layout is None and not self._layout_read:
-                return found  # the layout may still become known: decide again then
-            self._verdict = found
-        return self._verdict
+        return self.working.verdict
+
+    @property
+    def cache_disabled_reason(self) -> str | None:
+        """Why this context is not cached (None: it is)."""
+        return self.working.disabled_reason
 
     @property
     def caching(self) -> bool:
-        return self.cache_disabled_reason is None
-
-    # -- exactness ------------------------------------------------------------------------
-
-    def live_exact(self) -> int:
-        """Leading tokens of the working sequence whose cells are exact and still present.
-
-        Whole-context calls made behind the cache's back (``_ctx.kv_cache_clear()`` in
-        llama-cpp-python's multimodal handlers, ``llama_memory_seq_rm``) remove cells without
-        telling it; the cells actually present bound what may be reused.
-        """
-        exact = min(self._exact, self.n_tokens)
-        if exact > 0:
-            exact = min(exact, self.seam.live_cells())
-        return self.aligned(max(exact, 0))
-
-    def aligned(self, n: int) -> int:
-        """``n`` rounded down to a canonical batch boundary (see ``granule``)."""
-        return n - n % self.granule
-
-    def exact_tokens(self) -> int:
-        return min(self._exact, self.n_tokens)
-
-    def decode(self, tokens: Sequence[int]) -> None:
-        """``Llama.eval`` without the cache, tracking which cells are exact.
-
-        A batch of two or more tokens right after the exact part extends it; a lone token (a
-        generated one) takes other kernels, so the exact part stops before it, unless the
-        build decodes lone tokens exactly (``lone_decodes_exact``).
-        """
-        before = self.n_tokens
-        exact = self.exact_tokens()
-        super().eval(tokens)
-        if before <= self._scored:
-            self._scored = self.n_tokens
-        batched = (len(tokens) >= 2 or self.lone_decodes_exact) and exact == before
-        self._exact = self.aligned(self.n_tokens) if batched else exact
+        return self.working.caching
 
     @property
-    def scored_tokens(self) -> int | None:
-        """Leading tokens whose logits rows are kept (``logits_all``), else None."""
-        return self._scored if self._logits_all else None
+    def granule(self) -> int:
+        """Reused prefixes end at multiples of this (the canonical batch boundary)."""
+        return self.working.granule
 
-    def keep_exact(self, n: int) -> None:
-        """Keep only the first ``n`` exact tokens of the working sequence (a restore is about
-        to write what follows)."""
-        self.n_tokens = self._exact = n
-        if self._logits_all:
-            self._scored = n
+    @property
+    def lone_decodes_exact(self) -> bool:
+        """Whether a token decoded alone leaves the cells and logits a batched prefill gives it
+        (probed at load): then a reply is reusable as generated, and nothing is repaired."""
+        return self.working.lone_decodes_exact
 
-    def adopt(self, n: int, restored: npt.NDArray[np.int32] | None) -> None:
-        """The working sequence holds ``n`` exact tokens: kept, or written by a restore of
-        ``restored`` (the prompt), whose logits the next eval computes."""
-        if restored is not None:
-            self.input_ids[:n] = restored[:n]
-            self._requires_eval = True
-        self.n_tokens = self._exact = n
+    @property
+    def defer_record_tokens(self) -> int:
+        """A record waits while fewer than this many of its tokens are unrecorded (0: never;
+        GPU builds: always; see ``Recorder.defer_tokens``)."""
+        return self.recorder.defer_tokens
 
-    def drop_working(self) -> None:
-        """Forget the working sequence: the next decode starts a cold prefill."""
-        self.seam.cut()
-        self.n_tokens = self._exact = 0
+    @defer_record_tokens.setter
+    def defer_record_tokens(self, tokens: int) -> None:
+        self.recorder.defer_tokens = tokens
 
-    def guard(self, step: str, event: CacheEvent | None, work: Any) -> bool:
-        """Run one cache step; any exception becomes a counted fallback (fail-open).
-
-        Not only :class:`SkippyError`: a ``ValueError`` from a damaged page or a ``MemoryError``
-        from a huge state must never fail a request the model itself can serve.
-        """
-        try:
-            work()
-            return True
-        except Exception as exc:
-            self.prefix_cache.fallback(f"{step}: {type(exc).__name__}")
-            if event is not None:
-                event.fallbacks.append(f"{step}: {exc}")
-            log.warning("skippy-llama: %s failed (%s); continuing without it", step, exc)
-            return False
-
-    def park(self, n_tokens: int) -> None:
-        """Checkpoint the first ``n_tokens`` of the working sequence for later prompts."""
-        n_tokens = min(n_tokens, self.n_tokens)
-        if n_tokens > 0:
-            tokens = self.input_ids[:n_tokens].astype(np.int32)
-            self.seam.park(tokens, self.prefix_cache)
+    def live_exact(self) -> int:
+        """Leading tokens of the working sequence whose cells are exact and still present."""
+        return self.working.live_exact()
 
     # -- the request path: tokens -> plan -> seam -> commit ------------------------------
 
     def _finish(self, event: CacheEvent, prompt_tokens: int, *, repairable: bool) -> None:
         """A request ended: remember its reply and record what the tiers lack."""
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
-        self.reply_start, self.reply_repairable = prompt_tokens, repairable
+        self.working.reply_start, self.working.reply_repairable = prompt_tokens, repairable
         self.last_cache_event = event
-        self.guard("record", None, lambda: self.recorder.after_request(event))
+        guard(self.prefix_cache, "record", None, lambda: self.recorder.after_request(event))
 
     def generate(  # type: ignore[override]
         self, tokens: Sequence[int], *args: Any, **kwargs: Any
@@ -351,19 +276,20 @@ class SkippyLlama(llama_cpp.Llama):
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
         self.recorder.unless_continued(prompt)
-        restore_prefix(self, prompt, event)
+        cache, seq = self.prefix_cache, self.working
+        restore_prefix(seq, cache, prompt, event, pipeline=self.pipeline_restores)
         self.in_generate = True
-        self.last_sampled = None
+        seq.last_sampled = None
 
         def seen(i: int, token: int) -> None:
             # the caller stops after a token without evaluating it (end of generation, length)
-            self.last_sampled = token
+            seq.last_sampled = token
             if i:
                 return
             event.ttft_ms = (time.perf_counter() - started) * 1e3
             event.prefill_ms = event.ttft_ms - event.park_ms - event.lookup_ms - event.restore_ms
             suffix = event.prompt_tokens - event.cached_tokens
-            self.prefix_cache.costs.observe_prefill(suffix, event.prefill_ms / 1e3)
+            cache.costs.observe_prefill(suffix, event.prefill_ms / 1e3)
 
         try:
             yield from on_tokens(super().generate(tokens, *args, **kwargs), seen)
@@ -380,7 +306,7 @@ class SkippyLlama(llama_cpp.Llama):
         Inside ``generate`` the prefix was already restored, so this is plain decoding.
         """
         if self.in_generate or not self.caching or len(tokens) < 2:
-            self.decode(tokens)
+            self.working.decode(tokens)
             return
         self._epoch += 1
         whole = np.concatenate(
@@ -389,8 +315,10 @@ class SkippyLlama(llama_cpp.Llama):
         event = CacheEvent(prompt_tokens=len(whole))
         started = time.perf_counter()
         self.recorder.unless_continued(whole)
-        restore_prefix(self, whole, event)
-        self.decode(whole[self.n_tokens :].tolist())
+        restore_prefix(
+            self.working, self.prefix_cache, whole, event, pipeline=self.pipeline_restores
+        )
+        self.working.decode(whole[self.n_tokens :].tolist())
         elapsed_ms = (time.perf_counter() - started) * 1e3
         event.prefill_ms = elapsed_ms - event.park_ms - event.lookup_ms - event.restore_ms
         suffix = event.prompt_tokens - event.cached_tokens
@@ -411,7 +339,9 @@ class SkippyLlama(llama_cpp.Llama):
         Returns:
             the tokens decoded: 0 when there is nothing to do.
         """
-        return repair.prepare_next_turn(self, stop)
+        if not self.caching or self.in_generate:
+            return 0
+        return repair.prepare_next_turn(self.working, self.prefix_cache, self.recorder, stop)
 
     def prefetch(
         self,
@@ -486,15 +416,18 @@ class SkippyLlama(llama_cpp.Llama):
         if getattr(self, "prefix_cache", None) is None or not self.caching:
             return  # called while Llama.__init__ runs, or without a cache
         self.recorder.flush()
-        if self.live_exact() > 0:
+        seq, cache = self.working, self.prefix_cache
+        if seq.live_exact() > 0:
             event = CacheEvent()
-            self.guard("park", event, lambda: repair.displace(self, self.live_exact(), event))
+            guard(
+                cache, "park", event, lambda: repair.displace(seq, cache, seq.live_exact(), event)
+            )
 
     def reset(self) -> None:
         """``Llama.reset``; the live sequence stays reusable as a resident prefix."""
         self._leave_live()
         super().reset()  # type: ignore[no-untyped-call]
-        self._exact = 0
+        self.working.exact = 0
 
     def save_state(self) -> llama_cpp.LlamaState:
         """``Llama.save_state``; the state also remembers which of its cells are exact.
@@ -503,8 +436,8 @@ class SkippyLlama(llama_cpp.Llama):
         working sequence alone, exactly as plain ``Llama``'s does.
         """
         state = super().save_state()
-        state.skippy_exact = self.exact_tokens()  # type: ignore[attr-defined]
-        state.skippy_scored = min(self._scored, self.n_tokens)  # type: ignore[attr-defined]
+        state.skippy_exact = self.working.exact_tokens()  # type: ignore[attr-defined]
+        state.skippy_scored = min(self.working.scored, self.n_tokens)  # type: ignore[attr-defined]
         return state
 
     def load_state(self, state: llama_cpp.LlamaState) -> None:
@@ -514,9 +447,10 @@ class SkippyLlama(llama_cpp.Llama):
         """
         self._leave_live()
         super().load_state(state)
-        self._exact = min(int(getattr(state, "skippy_exact", 0)), self.n_tokens)
-        self._scored = min(int(getattr(state, "skippy_scored", 0)), self.n_tokens)
-        self.reply_repairable = False
+        seq = self.working
+        seq.exact = min(int(getattr(state, "skippy_exact", 0)), self.n_tokens)
+        seq.scored = min(int(getattr(state, "skippy_scored", 0)), self.n_tokens)
+        seq.reply_repairable = False
 
     def clear_cache(self) -> None:
         """Drop every resident prefix (L1) and restore point."""
@@ -528,7 +462,7 @@ class SkippyLlama(llama_cpp.Llama):
 
     def cache_status(self) -> dict[str, Any]:
         """In-process cache state: L1 memory and counters (what ``kv-cache status`` cannot see)."""
-        return cache_status(self)
+        return cache_status(self.working, self.prefix_cache, self.l1_budget_tokens)
 
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Make a waiting L3 record now and wait until the record-taking tiers stored it.

@@ -12,16 +12,14 @@ pay nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llama_cpp
 import numpy as np
 
 from . import split_verdicts
 from .seam import backend_name, registered_backends
-
-if TYPE_CHECKING:
-    from .llama import SkippyLlama
+from .working import WorkingSequence
 
 #: The lone-decode probe (see :func:`lone_decodes_exact`): this many tokens decoded one at a
 #: time after the split probe's prompt (stock SmolLM2 Q4_1 on AVX-512 gives the same logits
@@ -50,8 +48,9 @@ _KERNEL_FIELDS = (
 )
 
 
-def canonical_granule(llm: SkippyLlama) -> int:
-    """Reused prefixes end at multiples of this; every prefill starts at one.
+def canonical_granule(seq: WorkingSequence) -> tuple[int, str | None]:
+    """Reused prefixes end at multiples of this; every prefill starts at one. With it, why
+    caching must be off (no canonical split exists), or None.
 
     On GPU builds, and on the CPU with flash attention on, llama.cpp's kernels make K/V bytes
     and logits depend on how a prompt is split into micro-batches. Every prefill is then
@@ -60,24 +59,25 @@ def canonical_granule(llm: SkippyLlama) -> int:
     a boundary, so a cached run decodes exactly the micro-batches a cold one does. On the
     CPU with flash attention off the bytes do not depend on the split for most weight
     types (any token boundary then), but not for all (see :func:`split_invariant`), nor
-    with a BLAS backend. Sets ``llm.cache_disabled_reason`` when no canonical split exists.
+    with a BLAS backend.
     """
+    llm = seq.llm
     flash = llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
     # a BLAS build hands llama.cpp's matrix products of 32 or more tokens to BLAS (ggml-blas
     # min_batch) and smaller ones to ggml's kernels: too large for the probe to see
     blas = "BLAS" in registered_backends()
-    if backend_name() == "CPU" and not flash and not blas and split_invariant(llm):
-        return 1
+    if backend_name() == "CPU" and not flash and not blas and split_invariant(seq):
+        return 1, None
     n_ubatch = int(llm.context_params.n_ubatch)
     if llm.n_batch % n_ubatch:
-        llm.cache_disabled_reason = (
+        return n_ubatch, (
             f"n_batch {llm.n_batch} is not a multiple of n_ubatch {n_ubatch}: "
             "prefills cannot be split canonically"
         )
-    return n_ubatch
+    return n_ubatch, None
 
 
-def split_invariant(llm: SkippyLlama) -> bool:
+def split_invariant(seq: WorkingSequence) -> bool:
     """Whether this model's prefill gives every token the same results however the prompt
     is split into batches (asked on the CPU with flash attention off).
 
@@ -92,12 +92,12 @@ def split_invariant(llm: SkippyLlama) -> bool:
     (0.45 s for SmolLM2 on two cores) the first time a model is loaded with given kernel
     settings on a build and CPU; later loads reuse the verdict (``split_verdicts``).
     """
-    if llm.cache_disabled_reason is not None or llm.n_ctx() <= SPLIT_PROBE_TOKENS:
+    if not seq.caching or seq.llm.n_ctx() <= SPLIT_PROBE_TOKENS:
         return False
-    return _kept_verdict(llm, "split", lambda: _probe_split(llm))
+    return _kept_verdict(seq.llm, "split", lambda: _probe_split(seq))
 
 
-def lone_decodes_exact(llm: SkippyLlama) -> bool:
+def lone_decodes_exact(seq: WorkingSequence) -> bool:
     """Whether tokens decoded one at a time (a reply being generated) leave the same cells
     and logits as the same tokens in a batched prefill (asked where any batch split is).
 
@@ -110,12 +110,12 @@ def lone_decodes_exact(llm: SkippyLlama) -> bool:
     ``LONE_PROBE_TOKENS`` tokens followed by those one at a time, and compares the
     sequence's state bytes (every cell) and the last logits. Kept like the split verdict.
     """
-    if llm.n_ctx() <= SPLIT_PROBE_TOKENS + LONE_PROBE_TOKENS:
+    if seq.llm.n_ctx() <= SPLIT_PROBE_TOKENS + LONE_PROBE_TOKENS:
         return False
-    return _kept_verdict(llm, "lone", lambda: _probe_lone(llm))
+    return _kept_verdict(seq.llm, "lone", lambda: _probe_lone(seq))
 
 
-def _kept_verdict(llm: SkippyLlama, probe: str, run: Callable[[], bool]) -> bool:
+def _kept_verdict(llm: llama_cpp.Llama, probe: str, run: Callable[[], bool]) -> bool:
     """``probe``'s verdict for this model, build, CPU and kernel settings: kept, else run."""
     p = llm.context_params
     settings = (probe, *(f"{f}={int(getattr(p, f))}" for f in _KERNEL_FIELDS))
@@ -127,48 +127,50 @@ def _kept_verdict(llm: SkippyLlama, probe: str, run: Callable[[], bool]) -> bool
     return verdict
 
 
-def probe_tokens(llm: SkippyLlama, n: int) -> list[int]:
+def probe_tokens(llm: llama_cpp.Llama, n: int) -> list[int]:
     """The load-time probes' prompt: ``n`` fixed tokens spread over the vocabulary."""
     return [(7919 * i + 101) % llm.n_vocab() for i in range(n)]
 
 
-def _plain_eval(llm: SkippyLlama, tokens: list[int]) -> None:
+def _plain_eval(llm: llama_cpp.Llama, tokens: list[int]) -> None:
     llama_cpp.Llama.eval(llm, tokens)  # plain decodes: no cache involved
 
 
-def _probe_lone(llm: SkippyLlama) -> bool:
+def _probe_lone(seq: WorkingSequence) -> bool:
+    llm = seq.llm
     vocab = llm.n_vocab()
     n = SPLIT_PROBE_TOKENS + LONE_PROBE_TOKENS
     tokens = probe_tokens(llm, n)
 
     def decoded(batched: int) -> tuple[bytes, Any]:
-        llm.drop_working()
+        seq.drop()
         _plain_eval(llm, tokens[:batched])
         for token in tokens[batched:]:
             _plain_eval(llm, [token])
-        return llm.seam.state(), llm.seam.last_logits(vocab)
+        return seq.seam.state(), seq.seam.last_logits(vocab)
 
     try:
         cells, logits = decoded(n)
         lone_cells, lone_logits = decoded(SPLIT_PROBE_TOKENS)
         return cells == lone_cells and np.array_equal(logits, lone_logits)
     finally:
-        llm.drop_working()
+        seq.drop()
 
 
-def _probe_split(llm: SkippyLlama) -> bool:
+def _probe_split(seq: WorkingSequence) -> bool:
+    llm = seq.llm
     vocab = llm.n_vocab()
     tokens = probe_tokens(llm, SPLIT_PROBE_TOKENS)
 
     def last_logits(split: int) -> Any:
-        llm.drop_working()
+        seq.drop()
         for part in (tokens[:split], tokens[split:]):
             if part:
                 _plain_eval(llm, part)
-        return llm.seam.last_logits(vocab)
+        return seq.seam.last_logits(vocab)
 
     try:
         whole = last_logits(0)
         return all(np.array_equal(last_logits(k), whole) for k in SPLIT_PROBE_AT)
     finally:
-        llm.drop_working()
+        seq.drop()

@@ -80,7 +80,7 @@ class RestorePointPath:
         self._restore(prompt, event)
 
         def seen(i: int, token: int) -> None:
-            llm.last_sampled = token
+            llm.working.last_sampled = token
             if i:
                 return
             event.ttft_ms = (time.perf_counter() - started) * 1e3

@@ -1,10 +1,11 @@
 """The KV seam: the one caller of llama.cpp's state and sequence calls (``native``, ``native_ext``).
 
-It executes a :class:`~skippy_llama.plan.RestorePlan` on the working sequence and says what it
-did (:class:`~skippy_llama.plan.RestoreOutcome`); parks, captures and probes go through it too.
-Stock state calls everywhere; the patched range export and append import where the roster
-certifies them. A step that fails is turned into the next-shallower plan, asked of the same
-planner: executing a plan never raises.
+It executes a :class:`~skippy_llama.plan.RestorePlan` on the working sequence, reading its pages
+from a :class:`~skippy_llama.plan.PageSource`, and says what it did
+(:class:`~skippy_llama.plan.RestoreOutcome`); parks, captures and probes go through it too. It
+never sees the cache: the request path (``restore.py``, ``repair.py``) plans, asks for a
+shallower plan when a step failed, and commits. Stock state calls everywhere; the patched range
+export and append import where the roster certifies them. Executing a plan never raises.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..cache import PrefixCache
 from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
-from ..plan import FetchedPage, PageRef, Prompt, RestoreOutcome, RestorePlan
+from ..plan import FetchedPage, PageRef, PageSource, RestoreOutcome, RestorePlan
 from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
+from ..tiers.base import ParkPlan
 from . import native, native_ext
 
 log = logging.getLogger("skippy_llama")
@@ -153,118 +154,105 @@ class KVSeam:
 
     # -- L1 checkpoints -----------------------------------------------------------------------
 
-    def park(self, tokens: npt.NDArray[np.int32], cache: PrefixCache) -> bool:
-        """Checkpoint the working sequence's first ``len(tokens)`` cells as a resident prefix,
-        where the cache's planner says it pays and fits; True when parked."""
-        plan = cache.park_plan(tokens)
-        if plan is None:
-            return False
-        try:
-            for slot in plan.evict:
-                if slot != plan.seq_id and self.on_device:
-                    # a slot keeps its buffers until its next checkpoint: shrink it to one cell
-                    native.checkpoint(self.ctx, WORKING_SEQ, slot, 1)
-            started = time.perf_counter()
-            handle = native.checkpoint(
-                self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens, on_device=self.on_device
-            )
-            seconds = time.perf_counter() - started
-        except BaseException:
-            cache.abandon_park(plan)
-            raise
-        cache.commit_park(plan, tokens, handle, seconds)
-        return True
+    def park(self, plan: ParkPlan) -> tuple[bytes, float]:
+        """Checkpoint the working sequence's first ``plan.n_tokens`` cells into slot
+        ``plan.seq_id`` (the cache's park plan); returns the checkpoint's handle and the
+        seconds the checkpoint took (the cost model's park rate)."""
+        for slot in plan.evict:
+            if slot != plan.seq_id and self.on_device:
+                # a slot keeps its buffers until its next checkpoint: shrink it to one cell
+                native.checkpoint(self.ctx, WORKING_SEQ, slot, 1)
+        started = time.perf_counter()
+        handle = native.checkpoint(
+            self.ctx, WORKING_SEQ, plan.seq_id, plan.n_tokens, on_device=self.on_device
+        )
+        return handle, time.perf_counter() - started
 
     # -- executing a plan ---------------------------------------------------------------------
 
     def execute(
         self,
         plan: RestorePlan,
-        prompt: Prompt,
-        cache: PrefixCache,
+        source: PageSource,
         layout: KVLayout | None,
         *,
         append: bool = False,
         pipeline: bool = False,
     ) -> RestoreOutcome:
-        """Carry out ``plan`` on the working sequence, whose first ``plan.keep`` cells hold
-        ``prompt.tokens[:plan.keep]``; fall back to shallower plans on failure. Never raises.
+        """Carry out ``plan`` on the working sequence, whose first ``plan.keep`` cells hold the
+        prompt's first tokens, reading its pages from ``source``. Never raises: a step that
+        fails gives a ``failed`` outcome (the request path asks for a shallower plan).
 
         ``append``: append plans may run (an L1 prefix continued with pages). ``pipeline``:
         the append import is available, so a page restore of more than ``PIPELINE_BYTES``
         runs a chunk at a time, each chunk read and assembled while the previous one is
         imported (:meth:`_pipelined`; one wholly from L2 only with ``chunk_ram_restores``).
         """
-        started = time.perf_counter()
         notes: list[str] = []
         faults: list[str] = []
-        excluded: set[str] = set()
-        while True:
-            outcome = self._try(plan, prompt, cache, layout, append, pipeline, notes, faults)
-            if outcome is not None:
-                outcome.fallbacks, outcome.faults = notes, faults
-                outcome.restore_s = time.perf_counter() - started
-                return outcome
-            # the step failed: the next-shallower plan from the same planner
-            excluded.update(plan.page_tiers or ("l1",))
-            if self.live_cells() < plan.keep:
-                prompt = prompt.without_live()
-            plan = cache.plan(prompt, exclude=frozenset(excluded))
+        outcome = self._try(plan, source, layout, append, pipeline, notes, faults)
+        outcome.fallbacks, outcome.faults = notes, faults
+        return outcome
 
     def _try(
         self,
         plan: RestorePlan,
-        prompt: Prompt,
-        cache: PrefixCache,
+        source: PageSource,
         layout: KVLayout | None,
         append: bool,
         pipeline: bool,
         notes: list[str],
         faults: list[str],
-    ) -> RestoreOutcome | None:
+    ) -> RestoreOutcome:
         if (
             pipeline
             and layout is not None
-            and (self.chunk_ram_restores or cache.reads_storage(plan))
+            and (self.chunk_ram_restores or source.reads_storage(plan.pages))
         ):
             parts = chunks(plan, layout)
             if len(parts) > 1:
-                return self._pipelined(plan, parts, cache, layout, notes, faults)
+                return self._pipelined(plan, parts, source, layout, notes, faults)
         if plan.pages:
-            fetched, short = cache.fetch(plan)
-            if short is not None:
-                notes.append(short)
+            fetched = source.fetch(plan.pages)
+            if len(fetched) < len(plan.pages):
+                notes.append(plan.short_note(len(fetched)))
                 faults.append(f"{plan.pages[len(fetched)].tier}_short_read")
                 lost = sum(page.used for page in plan.pages[len(fetched) :])
                 if plan.n_tokens - lost <= plan.floor:
-                    return None  # a shallower plan does at least as well; nothing was touched
+                    # a shallower plan does at least as well; nothing was touched
+                    return RestoreOutcome(plan, failed=True)
                 plan = plan.truncated(plan.n_tokens - lost)
             try:
-                size = self._load_pages(plan, fetched, cache, layout, append)
+                size = self._load_pages(plan, fetched, layout, append)
             except Exception as exc:
-                return self._failed(plan.tier, exc, notes, faults, self._intact(plan))
+                return self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
             return RestoreOutcome(plan, restored=True, restored_bytes=size, fetched=tuple(fetched))
         if plan.seq_id is not None:
             try:
-                self._copy_checkpoint(plan, cache)
+                self._copy_checkpoint(plan)
             except Exception as exc:
-                resident = cache.resident
-                if resident is not None:
-                    resident.remove(plan.seq_id)
-                return self._failed("l1", exc, notes, faults)
+                outcome = self._failed(plan, "l1", exc, notes, faults)
+                outcome.broken_checkpoint = plan.seq_id
+                return outcome
             return RestoreOutcome(plan, restored=True)
         return RestoreOutcome(plan)
 
     def _failed(
-        self, step: str, exc: Exception, notes: list[str], faults: list[str], keep: int = 0
-    ) -> RestoreOutcome | None:
+        self,
+        plan: RestorePlan,
+        step: str,
+        exc: Exception,
+        notes: list[str],
+        faults: list[str],
+        keep: int = 0,
+    ) -> RestoreOutcome:
         """A restore step raised: the working sequence is half-written, so it is cleared from
         ``keep`` on (0: all of it)."""
         faults.append(f"{step}: {type(exc).__name__}")
         notes.append(f"{step}: {exc}")
         log.warning("skippy-llama: %s failed (%s); continuing without it", step, exc)
         self.cut(keep)
-        return None
+        return RestoreOutcome(plan, failed=True)
 
     @staticmethod
     def _intact(plan: RestorePlan) -> int:
@@ -273,18 +261,16 @@ class KVSeam:
         removes what a failed call added), so the fallback can still reuse it."""
         return plan.base_tokens if plan.seq_id is None else 0
 
-    def _copy_checkpoint(self, plan: RestorePlan, cache: PrefixCache) -> None:
+    def _copy_checkpoint(self, plan: RestorePlan) -> None:
         """Copy a checkpoint into the working sequence and keep its first ``n_tokens`` cells."""
-        assert plan.seq_id is not None and cache.resident is not None
-        handle = cache.resident.entry(plan.seq_id).handle
-        native.restore_checkpoint(self.ctx, handle, WORKING_SEQ, on_device=self.on_device)
+        assert plan.seq_id is not None
+        native.restore_checkpoint(self.ctx, plan.handle, WORKING_SEQ, on_device=self.on_device)
         native.seq_rm(self.ctx, WORKING_SEQ, plan.n_tokens, -1)
 
     def _load_pages(
         self,
         plan: RestorePlan,
         fetched: list[FetchedPage],
-        cache: PrefixCache,
         layout: KVLayout | None,
         append: bool,
     ) -> int:
@@ -301,7 +287,7 @@ class KVSeam:
             raise TierError("an append plan without append import")
         buf, size = self._assemble(plan, fetched, 0, layout)
         try:
-            self._import(plan, cache, buf, size, first=True)
+            self._import(plan, buf, size, first=True)
         finally:
             self.buffers.give(buf)
         return size
@@ -310,11 +296,11 @@ class KVSeam:
         self,
         plan: RestorePlan,
         parts: list[tuple[PageRef, ...]],
-        cache: PrefixCache,
+        source: PageSource,
         layout: KVLayout,
         notes: list[str],
         faults: list[str],
-    ) -> RestoreOutcome | None:
+    ) -> RestoreOutcome:
         """A page restore a chunk at a time, two stages deep: while one chunk is imported (its
         device copies release the GIL), the read-ahead thread reads, verifies, decodes and
         assembles the next one into a second pool buffer (:meth:`_prepare`). The first chunk
@@ -322,13 +308,13 @@ class KVSeam:
         append-imported after it.
 
         A short fetch ends the restore where the pages end (like :meth:`_try`); a failure
-        clears the working sequence and asks for a shallower plan.
+        clears the working sequence and fails the outcome.
         """
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="skippy-restore")
         ahead = self._ahead
         pending: Future[_Chunk] | None = ahead.submit(
-            self._prepare, plan, parts[0], 0, cache, layout
+            self._prepare, plan, parts[0], 0, source, layout
         )
         fetched: list[FetchedPage] = []
         size = 0
@@ -342,10 +328,15 @@ class KVSeam:
                 restored = len(fetched)
                 if not chunk.short and i + 1 < len(parts):
                     pending = ahead.submit(
-                        self._prepare, plan, parts[i + 1], restored + len(chunk.got), cache, layout
+                        self._prepare,
+                        plan,
+                        parts[i + 1],
+                        restored + len(chunk.got),
+                        source,
+                        layout,
                     )
                 try:
-                    self._import(plan, cache, chunk.buf, chunk.size, first=restored == 0)
+                    self._import(plan, chunk.buf, chunk.size, first=restored == 0)
                 finally:
                     self.buffers.give(chunk.buf)
                 fetched += chunk.got
@@ -361,20 +352,21 @@ class KVSeam:
                     left = pending.result()
                     if left.buf is not None:
                         self.buffers.give(left.buf)
-            return self._failed(plan.tier, exc, notes, faults, self._intact(plan))
+            return self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
         restored = len(fetched)
         outcome = RestoreOutcome(
             plan, restored=True, restored_bytes=size, fetched=tuple(fetched), promoted=True
         )
         if restored < len(plan.pages):
-            notes.append(cache.short_note(plan, restored))
+            notes.append(plan.short_note(restored))
             faults.append(f"{plan.pages[restored].tier}_short_read")
             n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[restored:])
             if not restored:
-                return None  # nothing was read: the working sequence is untouched
+                # nothing was read: the working sequence is untouched
+                return RestoreOutcome(plan, failed=True)
             if n_tokens <= plan.floor:
                 self.cut(self._intact(plan))  # a shallower plan does at least as well
-                return None
+                return RestoreOutcome(plan, failed=True)
             outcome.plan = plan.truncated(n_tokens)
         return outcome
 
@@ -383,18 +375,18 @@ class KVSeam:
         plan: RestorePlan,
         part: tuple[PageRef, ...],
         first: int,
-        cache: PrefixCache,
+        source: PageSource,
         layout: KVLayout,
     ) -> _Chunk:
         """The read-ahead thread's stage: chunk ``part`` (pages ``first ..`` of ``plan``)
         fetched, assembled into a pool buffer, and promoted to the shallower tiers before this
         thread's next read reuses its read buffer."""
-        got = cache.fetch_pages(part)
+        got = source.fetch(part)
         if not got:
             return _Chunk(got, None, 0, short=True)
         buf, size = self._assemble(plan, got, first, layout)
         try:
-            cache.promote(got, plan.n_tokens)
+            source.promote(got, plan.n_tokens)
         except BaseException:
             self.buffers.give(buf)
             raise
@@ -434,9 +426,7 @@ class KVSeam:
             raise
         return buf, size
 
-    def _import(
-        self, plan: RestorePlan, cache: PrefixCache, buf: HostBuffer, size: int, *, first: bool
-    ) -> None:
+    def _import(self, plan: RestorePlan, buf: HostBuffer, size: int, *, first: bool) -> None:
         """Load an assembled chunk: the first one rebuilds the prefix (or continues the plan's
         L1 prefix), later ones are append-imported after the last."""
         if first and not plan.base_tokens:
@@ -444,18 +434,15 @@ class KVSeam:
                 raise TierError("llama_state_seq_set_data refused the blob")
             return
         if first:
-            self._place_base(plan, cache)
+            self._place_base(plan)
         if not native_ext.append_import(self.ctx, memoryview(buf)[:size], WORKING_SEQ):
             raise TierError("skippy_state_seq_append_data refused the pages")
 
-    def _place_base(self, plan: RestorePlan, cache: PrefixCache) -> None:
+    def _place_base(self, plan: RestorePlan) -> None:
         """Leave exactly the L1 prefix of an append plan in the working sequence."""
         base = plan.base_tokens
         if plan.seq_id is not None:
-            resident = cache.resident
-            assert resident is not None
-            handle = resident.entry(plan.seq_id).handle
-            native.restore_checkpoint(self.ctx, handle, WORKING_SEQ, on_device=self.on_device)
+            native.restore_checkpoint(self.ctx, plan.handle, WORKING_SEQ, on_device=self.on_device)
         elif self.live_cells() < base:
             raise TierError("the live sequence no longer holds the append plan's L1 prefix")
         # append import continues after the last position: nothing may follow the prefix

@@ -2,36 +2,37 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .llama import SkippyLlama
+from ..cache import PrefixCache
+from .working import WorkingSequence
 
 
-def cache_status(llm: SkippyLlama) -> dict[str, Any]:
-    """L1 memory, the tiers' statuses and the counters of ``llm``'s cache."""
-    cache = llm.prefix_cache
+def cache_status(seq: WorkingSequence, cache: PrefixCache, l1_budget_tokens: int) -> dict[str, Any]:
+    """L1 memory, the tiers' statuses and the counters of ``cache``, the cache of the working
+    sequence ``seq`` (L1 keeps up to ``l1_budget_tokens``)."""
     resident = cache.resident
-    layout = llm.kv_layout
+    layout = seq.layout
     per_token = layout.kv_bytes_per_cell if layout is not None else 0
     used = resident.used_tokens if resident is not None else 0
-    pinner = llm.seam.buffers.pinner
+    pinner = seq.seam.buffers.pinner
+    n_ctx = seq.llm.n_ctx()
     return {
-        "caching": llm.caching,
-        "disabled_reason": llm.cache_disabled_reason,
-        "n_ctx": llm.n_ctx(),
-        "granule": llm.granule,
-        "lone_decodes_exact": llm.lone_decodes_exact,
+        "caching": seq.caching,
+        "disabled_reason": seq.disabled_reason,
+        "n_ctx": n_ctx,
+        "granule": seq.granule,
+        "lone_decodes_exact": seq.lone_decodes_exact,
         "pinned_host_buffers": pinner.stats() if pinner is not None else None,
-        "native": llm.native_verdict.to_json(),
+        "native": seq.verdict.to_json(),
         "kv_bytes_per_token": per_token,
-        "context_kv_bytes": per_token * llm.n_ctx(),
+        "context_kv_bytes": per_token * n_ctx,
         "tiers": [tier.name for tier in cache.tiers],
         "l1": {
             "slots": len(resident.entries()) if resident is not None else 0,
             "max_prefixes": resident.max_prefixes if resident is not None else 0,
-            "budget_tokens": llm.l1_budget_tokens,
-            "budget_bytes": per_token * llm.l1_budget_tokens,
+            "budget_tokens": l1_budget_tokens,
+            "budget_bytes": per_token * l1_budget_tokens,
             "resident_tokens": used,
             "resident_bytes": per_token * used,
         },

@@ -67,10 +67,12 @@ class Tier(Protocol):
 
 @dataclass(frozen=True)
 class ResidentMatch:
-    """The longest resident prefix of a prompt: ``n_tokens`` cells of checkpoint ``seq_id``."""
+    """The longest resident prefix of a prompt: ``n_tokens`` cells of checkpoint ``seq_id``,
+    which the runtime restores from ``handle``."""
 
     seq_id: int
     n_tokens: int
+    handle: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class ResidentIndex:
             if self.window and entry.n_tokens > self.window and n < entry.n_tokens:
                 continue  # the cut prefix's sliding window is not in the checkpoint
             if n > 0 and (best is None or n > best.n_tokens):
-                best = ResidentMatch(seq_id, n)
+                best = ResidentMatch(seq_id, n, entry.handle)
         return best
 
     def touch(self, seq_id: int) -> None:

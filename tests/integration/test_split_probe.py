@@ -23,6 +23,7 @@ from skippy_llama.config import Settings
 from skippy_llama.runtime import probes as runtime_probes
 from skippy_llama.runtime import split_verdicts
 from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.runtime.working import WorkingSequence
 
 pytestmark = [
     pytest.mark.model,
@@ -54,9 +55,9 @@ def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
     runs: list[int] = []
     probe = runtime_probes._probe_split
 
-    def counted(llm: SkippyLlama) -> bool:
-        runs.append(int(llm.context_params.n_ubatch))
-        return probe(llm)
+    def counted(seq: WorkingSequence) -> bool:
+        runs.append(int(seq.llm.context_params.n_ubatch))
+        return probe(seq)
 
     monkeypatch.setattr(runtime_probes, "_probe_split", counted)
     monkeypatch.setattr(split_verdicts, "_verdicts", {})

@@ -77,8 +77,8 @@ def lookup(cache: PrefixCache, tokens: np.ndarray, limit: int, granule: int = 1)
     """What the runtime's seam does with a plan's pages, without llama.cpp: plan, fetch, commit."""
     request = Prompt(tokens=tokens, limit=limit, granule=granule)
     plan = cache.plan(request)
-    fetched, short = cache.fetch(plan)
-    assert short is None
+    fetched = cache.pages.fetch(plan.pages)
+    assert len(fetched) == len(plan.pages)
     outcome = RestoreOutcome(plan, restored=bool(fetched), fetched=tuple(fetched))
     cache.commit(plan, outcome, request)
     return Found(

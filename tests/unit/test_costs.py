@@ -83,8 +83,8 @@ def test_a_remote_restore_changes_the_remote_tiers_rate_only() -> None:
     prompt = Prompt(tokens, 298)
     plan = cache.plan(prompt)
     assert plan.tier == "remote" and plan.page_tiers == ("l2", "remote")
-    fetched, short = cache.fetch(plan)
-    assert short is None
+    fetched = cache.pages.fetch(plan.pages)
+    assert len(fetched) == len(plan.pages)
     outcome = RestoreOutcome(
         plan, restored=True, restored_bytes=256_000, restore_s=2.56, fetched=tuple(fetched)
     )

@@ -1,0 +1,51 @@
+"""The page tiers as the KV seam reads them: a :class:`~skippy_llama.plan.PageSource`.
+
+``PrefixCache.pages`` is one of these. A plan names each page's tier; this reads them in order,
+stops at the first page that cannot be read or verified, and promotes pages read from a deeper
+tier into the shallower ones. It plans, counts and commits nothing: that stays with the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from .plan import FetchedPage, PageRef
+from .tiers.base import PageTier, Tier
+from .tiers.ram import RamTier
+
+
+class TierPages:
+    """Reads and promotes pages across ``tiers`` (cheapest first)."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.tiers = tuple(tiers)
+        self._by_name = {t.name: t for t in self.tiers}
+
+    def fetch(self, pages: Sequence[PageRef]) -> list[FetchedPage]:
+        """The longest prefix of ``pages`` that can be read and verified, in order (a
+        pipelined restore fetches a plan's pages a chunk at a time)."""
+        out: list[FetchedPage] = []
+        for name, group in itertools.groupby(pages, key=lambda page: page.tier):
+            run = list(group)
+            tier = self._by_name.get(name)
+            got = tier.fetch([p.key for p in run]) if isinstance(tier, PageTier) else []
+            out += [FetchedPage(name, p.key, b) for p, b in zip(run, got, strict=False)]
+            if len(got) < len(run):
+                break
+        return out
+
+    def promote(self, fetched: Sequence[FetchedPage], prefix_tokens: int) -> None:
+        """Offer pages fetched from a deeper tier to the shallower page tiers (L3 -> L2), for a
+        prefix of ``prefix_tokens``; before the reading thread's next fetch reuses their bytes."""
+        order = [t.name for t in self.tiers]
+        for page in fetched:
+            depth = order.index(page.tier) if page.tier in order else 0
+            for tier in self.tiers[:depth]:
+                if isinstance(tier, PageTier):
+                    tier.promote(page.key, page.payload, prefix_tokens)
+
+    def reads_storage(self, pages: Sequence[PageRef]) -> bool:
+        """Whether fetching ``pages`` reads storage or the network (some page is not in L2's
+        host RAM), so that a restore has reads to overlap."""
+        return any(not isinstance(self._by_name.get(page.tier), RamTier) for page in pages)
