@@ -55,7 +55,7 @@ class FakeResident:
         for slot, held in self.prefixes.items():
             n = common_prefix(held, tokens[:limit])
             if n and (best is None or n > best.n_tokens):
-                best = ResidentMatch(slot, n)
+                best = ResidentMatch(slot, n, b"handle %d" % slot)
         return best
 
     def touch(self, seq_id: int) -> None:
@@ -291,6 +291,27 @@ def test_excluding_a_failed_tier_gives_the_next_shallower_plan() -> None:
     after = p.plan(Prompt(tokens, 298), exclude=frozenset({"l3"}))
     assert (after.tier, after.seq_id, after.n_tokens) == ("l1", 1, 100)
     assert p.plan(Prompt(tokens, 298), exclude=frozenset({"l1", "l3"})).tier == "cold"
+
+
+def test_a_plan_carries_the_handle_of_the_checkpoint_it_restores() -> None:
+    """The seam restores a checkpoint from the plan alone, without asking L1."""
+    tokens = toks(300)
+    resident = FakeResident({1: tokens[:130]})
+    whole = planner(resident, costs=AlwaysRestore()).plan(Prompt(tokens, 298))
+    assert (whole.seq_id, whole.handle) == (1, b"handle 1")
+    l3 = FakePages("l3").hold(tokens[:256])
+    append = planner(resident, l3).plan(Prompt(tokens, 298, can_append=True))
+    assert (append.seq_id, append.handle, append.base_tokens) == (1, b"handle 1", 130)
+    rebuilt = planner(resident, l3).plan(Prompt(tokens, 298))
+    assert (rebuilt.tier, rebuilt.seq_id, rebuilt.handle) == ("l3", None, b"")
+
+
+def test_a_short_note_says_how_far_a_fetch_got() -> None:
+    tokens = toks(300)
+    plan = planner(FakePages("l3").hold(tokens[:256])).plan(Prompt(tokens, 298))
+    assert plan.short_note(3) == (
+        "l3: served 192 of 256 tokens; a page was missing or failed verification"
+    )
 
 
 def test_a_tier_that_is_not_serving_is_not_asked() -> None:

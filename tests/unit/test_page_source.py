@@ -1,0 +1,100 @@
+"""``TierPages``, the page source the KV seam reads a plan's pages from (no model)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from skippy_llama.page_source import TierPages
+from skippy_llama.plan import FetchedPage, PageRef, PageSource
+from skippy_llama.tiers.base import PageTier
+from skippy_llama.tiers.ram import RamTier
+from skippy_llama.tiers.records import PrefixRecord
+
+
+@dataclass
+class Status:
+    name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@dataclass
+class DictPages:
+    """A page tier over a dict; records what was promoted into it."""
+
+    name: str
+    held: dict[bytes, bytes] = field(default_factory=dict)
+    promoted: list[tuple[bytes, int]] = field(default_factory=list)
+    takes_records: bool = True
+    serving: bool = True
+
+    def holds(self, key: bytes, *, queued: bool = False) -> bool:
+        return key in self.held
+
+    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
+        return []
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
+        for key in keys:
+            if key not in self.held:
+                break
+            out.append(self.held[key])
+        return out
+
+    def offer(self, record: PrefixRecord) -> bool:
+        record.drop()
+        return False
+
+    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+        self.promoted.append((key, prefix_tokens))
+
+    def note_miss(self) -> None:
+        pass
+
+    def status(self) -> Status:
+        return Status(self.name)
+
+    def clear(self) -> None:
+        self.held.clear()
+
+    def close(self) -> None:
+        pass
+
+
+def ref(tier: str, key: bytes) -> PageRef:
+    return PageRef(tier, key, 64)
+
+
+def test_the_cache_pages_are_a_page_source() -> None:
+    assert isinstance(DictPages("l3"), PageTier)
+    source: PageSource = TierPages([DictPages("l3")])  # mypy checks the protocol
+    assert source.fetch([]) == []
+
+
+def test_a_fetch_reads_each_page_from_its_tier_and_stops_at_the_first_missing_one() -> None:
+    l2 = DictPages("l2", {b"a": b"A"}, takes_records=False)
+    l3 = DictPages("l3", {b"b": b"B", b"d": b"D"})
+    pages = TierPages([l2, l3])
+    got = pages.fetch([ref("l2", b"a"), ref("l3", b"b"), ref("l3", b"c"), ref("l3", b"d")])
+    assert got == [FetchedPage("l2", b"a", b"A"), FetchedPage("l3", b"b", b"B")]
+    # a tier the source does not have serves nothing
+    assert pages.fetch([ref("remote", b"a")]) == []
+
+
+def test_promotion_offers_a_page_to_the_shallower_tiers_only() -> None:
+    l2 = DictPages("l2", takes_records=False)
+    l3 = DictPages("l3")
+    TierPages([l2, l3]).promote([FetchedPage("l3", b"b", b"B"), FetchedPage("l2", b"a", b"A")], 192)
+    assert l2.promoted == [(b"b", 192)] and l3.promoted == []
+
+
+def test_only_pages_outside_host_ram_read_storage() -> None:
+    ram = RamTier(1 << 20)
+    l3 = DictPages("l3")
+    pages = TierPages([ram, l3])
+    assert not pages.reads_storage([ref("l2", b"a")])
+    assert pages.reads_storage([ref("l2", b"a"), ref("l3", b"b")])
