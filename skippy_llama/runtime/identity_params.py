@@ -205,7 +205,7 @@ class Conditions:
     flash_attn: bool
     longrope: bool
     #: the CPU build's prefill of this model depends on the batch split (weights ggml repacks,
-    #: a BLAS backend; ``SkippyLlama._canonical_granule``), so the split is identity there too
+    #: a BLAS backend; ``probes.canonical_granule``), so the split is identity there too
     split_dependent: bool = False
     #: ``cross_backend`` is on: the backend component (the build's backend name, the offload
     #: settings and the device names) leaves the identity, and the batch split stays in it on

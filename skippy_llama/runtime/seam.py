@@ -191,6 +191,9 @@ class KVSeam:
         notes: list[str] = []
         faults: list[str] = []
         outcome = self._try(plan, source, layout, append, pipeline, notes, faults)
+        if outcome.failed:
+            # the plan asked for, not its cut-short form: every tier it reads is left out next
+            outcome.plan = plan
         outcome.fallbacks, outcome.faults = notes, faults
         return outcome
 
