@@ -19,8 +19,6 @@ PACKAGE = Path(skippy_llama.__file__).resolve().parent
 KNOWN_LOOPS = {
     # PrefixCache builds a Prefetcher over itself (issue 44 item 3 moves prefetch to the tiers)
     frozenset({"skippy_llama.cache", "skippy_llama.prefetch"}),
-    # the remote CLI lives in handoff.py and borrows kvcache.py's helpers (issue 44 item 6)
-    frozenset({"skippy_llama.cli.handoff", "skippy_llama.cli.kvcache"}),
 }
 
 #: Modules that may import ``runtime/llama.py``: the package's lazy entry point and the user
