@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 from .plan import FetchedPage, PageRef
 from .tiers.base import PageTier, Tier
-from .tiers.ram import RamTier
 
 
 class TierPages:
@@ -46,6 +45,10 @@ class TierPages:
                     tier.promote(page.key, page.payload, prefix_tokens)
 
     def reads_storage(self, pages: Sequence[PageRef]) -> bool:
-        """Whether fetching ``pages`` reads storage or the network (some page is not in L2's
-        host RAM), so that a restore has reads to overlap."""
-        return any(not isinstance(self._by_name.get(page.tier), RamTier) for page in pages)
+        """Whether fetching ``pages`` reads storage or the network (some page's tier is not
+        ``in_memory``), so that a restore has reads to overlap."""
+        return any(not self._in_memory(page.tier) for page in pages)
+
+    def _in_memory(self, name: str) -> bool:
+        tier = self._by_name.get(name)
+        return isinstance(tier, PageTier) and tier.in_memory

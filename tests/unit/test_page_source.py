@@ -30,6 +30,7 @@ class DictPages:
     promoted: list[tuple[bytes, int]] = field(default_factory=list)
     takes_records: bool = True
     serving: bool = True
+    in_memory: bool = False
 
     def holds(self, key: bytes, *, queued: bool = False) -> bool:
         return key in self.held
