@@ -97,7 +97,7 @@ class PrefixCache:
         self._count_lock = threading.Lock()
         #: the resident tier (L1), if any: parks and checkpoint restores go through it
         self._l1 = next((t for t in self.tiers if isinstance(t, ResidentTier)), None)
-        self._prefetcher = Prefetcher(self)
+        self._prefetcher = Prefetcher(self.planner)
         takes = [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records]
         self.trace = TraceWriter.from_settings(trace_file, page_tokens) if takes else None
         if self.trace is not None:
@@ -230,7 +230,10 @@ class PrefixCache:
             skip: leading tokens the request will find elsewhere (a batch's next item shares
                 them with the live sequence): pages wholly inside them are not read.
         """
-        return self._prefetcher(tokens, stop, skip)
+        result = self._prefetcher(tokens, stop, skip)
+        # prefetches may run on several threads (a batch's, the server's model thread)
+        self.count_prefetch(result)
+        return result
 
     def resident_tokens(self, prompt: Prompt) -> int:
         """Leading tokens of ``prompt`` the live sequence or L1 would serve now: the planner's

@@ -22,16 +22,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from .plan import Prompt
+from .plan import Planner, Prompt
 from .tiers.base import PageTier, PathStep, PrefetchFill, PrefetchTier
-
-if TYPE_CHECKING:
-    from .cache import PrefixCache
 
 log = logging.getLogger("skippy_llama")
 
@@ -90,12 +87,15 @@ class PrefetchResult:
 
 
 class Prefetcher:
-    """The prefetch of one :class:`~skippy_llama.cache.PrefixCache` (its ``prefetch`` method)."""
+    """The prefetch over one planner's page tiers (a
+    :class:`~skippy_llama.cache.PrefixCache`'s ``prefetch`` method, which counts its results).
 
-    def __init__(self, cache: PrefixCache) -> None:
-        # prefetches may run on several threads (a batch's, the server's model thread): the
-        # cache counts them under its lock
-        self.cache = cache
+    Args:
+        planner: finds the prompt's page path over its serving page tiers.
+    """
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
 
     def __call__(
         self,
@@ -108,12 +108,10 @@ class Prefetcher:
         except Exception as exc:  # fail-open: a prefetch is an optimization
             log.warning("skippy-llama: prefetch failed (%s); continuing without it", exc)
             result = PrefetchResult(stopped="error")
-        self.cache.count_prefetch(result)
         return result
 
     def _run(self, tokens: Tokens, stop: Callable[[], bool] | None, skip: int) -> PrefetchResult:
-        cache = self.cache
-        planner = cache.planner
+        planner = self.planner
         tiers = planner.page_tiers()
         target = next((t for t in tiers if isinstance(t, PrefetchTier)), None)
         # the last prompt token is always decoded (its logits are needed): never reused
@@ -176,9 +174,9 @@ class Prefetcher:
         self, steps: Sequence[PathStep], sources: Sequence[PageTier], wanted: Sequence[bool]
     ) -> list[list[int]]:
         """Indices of the ``wanted`` steps, in path order, cut into runs of consecutive pages of
-        one source tier, of at most ``READ_CHUNK_BYTES`` (by the cache's bytes per token; one
+        one source tier, of at most ``READ_CHUNK_BYTES`` (by the planner's bytes per token; one
         page at least)."""
-        per_token = max(self.cache.bytes_per_token, 1)
+        per_token = max(self.planner.bytes_per_token, 1)
         runs: list[list[int]] = []
         size = 0
         for i, (step, want) in enumerate(zip(steps, wanted, strict=True)):

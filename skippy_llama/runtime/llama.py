@@ -173,9 +173,10 @@ class SkippyLlama(llama_cpp.Llama):
         )
         #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
         #: the paged cache refuses) where they are exact; None otherwise.
-        self.restore_points: RestorePointPath | None = (
-            open_restore_points(self) if self.cache_disabled_reason is not None else None
-        )
+        self.restore_points: RestorePointPath | None = None
+        if seq.disabled_reason is not None:
+            root, l1 = self.cache_identity.root, settings.l1.enabled
+            self.restore_points = open_restore_points(seq, l1_enabled=l1, root=root)
         self.recorder = Recorder(seq, self.prefix_cache, 0 if on_cpu else DEFER_RECORD_TOKENS)
 
     @classmethod
@@ -267,7 +268,12 @@ class SkippyLlama(llama_cpp.Llama):
         """``Llama.generate`` that first restores the longest cached prefix of ``tokens``."""
         reset = kwargs.get("reset", True)
         if self.restore_points is not None and reset and len(tokens) > 0:
-            return (yield from self.restore_points.generate(tokens, args, kwargs))
+            self.reset()  # the live sequence holds lone-decoded tokens: never continued
+
+            def ended(event: CacheEvent) -> None:
+                self.last_cache_event = event
+
+            return (yield from self.restore_points.generate(tokens, args, kwargs, ended))
         if not self.caching or not reset or len(tokens) == 0:
             return (yield from super().generate(tokens, *args, **kwargs))
         self._epoch += 1

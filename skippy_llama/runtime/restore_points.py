@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -29,24 +29,28 @@ from ..restore_points import RestorePointStore
 from . import native
 from .restore_probe import restores_exactly
 from .timing import on_tokens
-
-if TYPE_CHECKING:
-    from .llama import SkippyLlama
+from .working import WorkingSequence
 
 log = logging.getLogger("skippy_llama")
 
 _WORKING_SEQ = 0
 
 
-def open_restore_points(llm: SkippyLlama) -> RestorePointPath | None:
-    """Restore points for ``llm`` when it is a recurrent or hybrid model whose restores this
-    build makes exact, else None (the model is then served as plain ``Llama``, as before).
+def open_restore_points(
+    seq: WorkingSequence, *, l1_enabled: bool, root: bytes
+) -> RestorePointPath | None:
+    """Restore points for the working sequence ``seq`` when its model is recurrent or hybrid and
+    this build makes its restores exact, else None (the model is then served as plain
+    ``Llama``, as before).
 
-    Asks for what the load-time check relies on: L1 on, no embeddings or per-token logits rows
-    (restored tokens come without them), the CPU backend without BLAS and flash attention off
-    (where batch splits do not change results), and :func:`restores_exactly` in this context.
+    Asks for what the load-time check relies on: L1 on (``l1_enabled``), no embeddings or
+    per-token logits rows (restored tokens come without them), the CPU backend without BLAS and
+    flash attention off (where batch splits do not change results), and
+    :func:`restores_exactly` in this context. The points are keyed under the cache identity's
+    ``root``.
     """
-    if not (llm._is_recurrent or llm._is_hybrid) or not llm.cache_settings.l1.enabled:
+    llm = seq.llm
+    if not (llm._is_recurrent or llm._is_hybrid) or not l1_enabled:
         return None
     p = llm.context_params
     flash = p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -57,30 +61,35 @@ def open_restore_points(llm: SkippyLlama) -> RestorePointPath | None:
     if not restores_exactly(llm._model.model, llm.ctx):
         log.info("skippy-llama: restores are not exact for this model here; no restore points")
         return None
-    return RestorePointPath(llm, RestorePointStore(llm.cache_identity.root))
+    return RestorePointPath(seq, RestorePointStore(root))
 
 
 class RestorePointPath:
     """Serves ``SkippyLlama.generate`` of a recurrent or hybrid model from restore points."""
 
-    def __init__(self, llm: SkippyLlama, store: RestorePointStore) -> None:
-        self.llm = llm
+    def __init__(self, seq: WorkingSequence, store: RestorePointStore) -> None:
+        self.seq = seq
         self.store = store
 
     def generate(
-        self, tokens: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        tokens: Sequence[int],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        finished: Callable[[CacheEvent], None],
     ) -> Generator[int, Sequence[int] | None, None]:
         """``Llama.generate(tokens, *args, **kwargs)`` after restoring the deepest restore point
-        of ``tokens``; the state at the prompt's end becomes a restore point."""
-        llm = self.llm
+        of ``tokens``; the state at the prompt's end becomes a restore point. The caller has
+        reset the model: the live sequence holds lone-decoded tokens and is never continued.
+        ``finished`` gets the request's event when the generation ends."""
+        seq, llm = self.seq, self.seq.llm
         prompt = np.asarray(tokens, dtype=np.int32)
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
-        llm.reset()  # the live sequence holds lone-decoded tokens: never continued
         self._restore(prompt, event)
 
         def seen(i: int, token: int) -> None:
-            llm.working.last_sampled = token
+            seq.last_sampled = token
             if i:
                 return
             event.ttft_ms = (time.perf_counter() - started) * 1e3
@@ -93,22 +102,22 @@ class RestorePointPath:
             yield from on_tokens(llama_cpp.Llama.generate(llm, tokens, *args, **kwargs), seen)
         finally:
             event.suffix_tokens = event.prompt_tokens - event.cached_tokens
-            llm.last_cache_event = event
+            finished(event)
 
     def _restore(self, prompt: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
         point = self.store.best(prompt)
         if point is None:
             return
         t0 = time.perf_counter()
-        ctx = self.llm.ctx
-        if not native.set_seq_state(ctx, bytearray(point.blob), _WORKING_SEQ):
-            native.seq_rm(ctx, _WORKING_SEQ)
+        llm = self.seq.llm
+        if not native.set_seq_state(llm.ctx, bytearray(point.blob), _WORKING_SEQ):
+            native.seq_rm(llm.ctx, _WORKING_SEQ)
             event.fallbacks.append("restore point: llama_state_seq_set_data refused it")
             return
         n = point.n_tokens
         # Llama.generate keeps these n tokens (its prefix match) and decodes the rest
-        self.llm.input_ids[:n] = point.tokens
-        self.llm.n_tokens = n
+        llm.input_ids[:n] = point.tokens
+        llm.n_tokens = n
         event.tier = "l1"
         event.cached_tokens = n
         event.restored_bytes = len(point.blob)

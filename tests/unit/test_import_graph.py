@@ -14,16 +14,6 @@ import skippy_llama
 
 PACKAGE = Path(skippy_llama.__file__).resolve().parent
 
-#: Loops not yet taken apart, each with the change that removes it. When one goes, take it out
-#: here: the test fails on a loop that is listed but gone, so the list stays true.
-KNOWN_LOOPS = {
-    # PrefixCache builds a Prefetcher over itself (issue 44 item 3 moves prefetch to the tiers)
-    frozenset({"skippy_llama.cache", "skippy_llama.prefetch"}),
-    # the restore-point path (987409c) takes the whole SkippyLlama (reset, last_cache_event,
-    # its working sequence): it should take the WorkingSequence and what it writes
-    frozenset({"skippy_llama.runtime.llama", "skippy_llama.runtime.restore_points"}),
-}
-
 #: Modules that may import ``runtime/llama.py``: the package's lazy entry point and the user
 #: surfaces built on ``SkippyLlama``.
 SURFACES = (
@@ -123,10 +113,8 @@ def test_loops_are_found() -> None:
     assert loops(graph) == {frozenset("abc"), frozenset("d")}
 
 
-def test_the_package_has_no_import_loop_but_the_known_ones() -> None:
-    found = loops(import_graph())
-    assert found - KNOWN_LOOPS == set(), "a new import loop"
-    assert KNOWN_LOOPS - found == set(), "a known loop is gone: take it out of KNOWN_LOOPS"
+def test_the_package_has_no_import_loop() -> None:
+    assert loops(import_graph()) == set()
 
 
 def test_only_the_surfaces_import_skippy_llama() -> None:
@@ -137,5 +125,4 @@ def test_only_the_surfaces_import_skippy_llama() -> None:
     below = {
         name for name in importers if name not in ENTRY_POINTS and not name.startswith(SURFACES)
     }
-    # runtime/restore_points.py: a known loop (see KNOWN_LOOPS)
-    assert below == {"skippy_llama.runtime.restore_points"}
+    assert below == set()
