@@ -439,7 +439,7 @@ class RestoreOutcome:
         promoted: ``fetched`` was promoted while it was restored (a pipelined restore, whose
             read buffers are reused chunk after chunk: the payloads are no longer valid).
         fallbacks: why a step was abandoned, for the request's ``CacheEvent``.
-        faults: the same as counter keys (``step: ExceptionType`` or ``l3_short_read``).
+        faults: the same as counter keys (``step: ExceptionType`` or ``<tier>_short_read``).
         failed: a step failed and the plan served nothing: the working sequence keeps at most
             its first ``plan.keep`` cells, and the request path plans again without the failed
             tiers (:attr:`RestorePlan.page_tiers`, or ``l1``).

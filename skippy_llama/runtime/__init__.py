@@ -1,4 +1,4 @@
-"""The only layer that imports llama_cpp: SkippyLlama and the native calls it makes."""
+"""Every llama.cpp model, context and state call: SkippyLlama and the native calls it makes."""
 
 from .llama import SkippyLlama
 

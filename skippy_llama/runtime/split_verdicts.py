@@ -1,4 +1,4 @@
-"""The split probe's verdicts (``SkippyLlama._split_invariant``), kept so a model is probed once.
+"""The split probe's verdicts (``probes.split_invariant``), kept so a model is probed once.
 
 The probe decodes a few short batches at load: 0.4 s for SmolLM2 on two cores, seconds for a
 7B model on the CPU. Its answer depends only on the model file, the llama.cpp build, the CPU and

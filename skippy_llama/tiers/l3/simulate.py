@@ -140,9 +140,9 @@ class OptimalPolicy:
 
 
 def _restore_pays(event: LookupEvent, tokens: int, restored: int) -> bool:
-    """The live store's rule (``PrefixCache._restore_pays``) with the rates it had measured at
-    this lookup: a restore dearer than the prefill it saves is not made. Until both rates are
-    measured, restores go ahead, as they do live."""
+    """The live store's rule (``CostModel.pages_pay``, which the planner asks) with the rates
+    it had measured at this lookup: a restore dearer than the prefill it saves is not made.
+    Until both rates are measured, restores go ahead, as they do live."""
     prefill, restore = event.prefill_s_per_token, event.restore_s_per_byte
     if prefill is None or restore is None:
         return True
