@@ -29,13 +29,12 @@ from .counters import CacheCounters, is_hit
 from .identity import CacheIdentity, chain_key, token_bytes
 from .page_source import TierPages
 from .plan import Planner, Prompt, RestoreOutcome, RestorePlan
-from .prefetch import Prefetcher, PrefetchResult
+from .prefetch import Prefetcher, PrefetchResult, prefetch_target
 from .state import SequenceState, slice_state, sort_by_position
 from .tiers.base import (
     PageTier,
     ParkPlan,
     PathStep,
-    PrefetchTier,
     ResidentTier,
     Tier,
     walk,
@@ -205,9 +204,7 @@ class PrefixCache:
     def can_prefetch(self) -> bool:
         """Whether the cache has a tier :meth:`prefetch` fills (L2) and a page tier after it to
         read from (whether they serve now, each prefetch asks)."""
-        tiers = [t for t in self.tiers if isinstance(t, PageTier)]
-        target = next((t for t in tiers if isinstance(t, PrefetchTier)), None)
-        return target is not None and target is not tiers[-1]
+        return prefetch_target([t for t in self.tiers if isinstance(t, PageTier)]) is not None
 
     def prefetch(
         self,

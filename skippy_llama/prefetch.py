@@ -86,6 +86,12 @@ class PrefetchResult:
     stopped: StopReason = "off"
 
 
+def prefetch_target(tiers: Sequence[PageTier]) -> PrefetchTier | None:
+    """The first of the page ``tiers`` a prefetch fills, when one after it can be read from."""
+    target = next((t for t in tiers if isinstance(t, PrefetchTier)), None)
+    return None if target is None or target is tiers[-1] else target
+
+
 class Prefetcher:
     """The prefetch over one planner's page tiers (a
     :class:`~skippy_llama.cache.PrefixCache`'s ``prefetch`` method, which counts its results).
@@ -113,10 +119,10 @@ class Prefetcher:
     def _run(self, tokens: Tokens, stop: Callable[[], bool] | None, skip: int) -> PrefetchResult:
         planner = self.planner
         tiers = planner.page_tiers()
-        target = next((t for t in tiers if isinstance(t, PrefetchTier)), None)
+        target = prefetch_target(tiers)
         # the last prompt token is always decoded (its logits are needed): never reused
         limit = len(tokens) - 1
-        if target is None or target is tiers[-1] or limit < 1:
+        if target is None or limit < 1:
             return PrefetchResult(stopped="off")
         # written pages only: the target mirrors what its source holds, not what is in flight
         path = planner.page_path(Prompt(tokens, limit), limit, tiers, queued=False)

@@ -12,7 +12,7 @@ its second fill within ten minutes, or at once when it belongs to a prefix of at
 by distinct bytes: pages are keyed by their chain key, so a page shared by many prefixes is held
 and charged once.
 
-A prefetch (:meth:`RamTier.prefetch_fill`, from :meth:`skippy_llama.cache.PrefixCache.prefetch`) is
+A prefetch (:meth:`RamTier.take_prefetched`, from :meth:`skippy_llama.cache.PrefixCache.prefetch`) is
 an explicit prediction that a prompt comes next, so it skips the first-fill rule, but it may only
 take room that nobody is about to use: it evicts least-recently-used pages except the prompt's own
 and the pages an earlier prefetch predicted within the promotion window that no request has used

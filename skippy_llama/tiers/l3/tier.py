@@ -295,18 +295,9 @@ class DiskTier:
         """Decoded pages of the longest prefix of ``keys`` that is stored and verifies (see
         ``reader.py`` for what happens to a page that does not, and how long a view stays
         valid); :meth:`fetch` also serves pages still waiting for the writer. Never raises."""
-        return self._read(keys).pages
-
-    def read_with_digests(self, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
-        """:meth:`read`, each page with the digest its read verified (what L2 keeps beside a
-        copy; asking :meth:`digest` afterwards could answer for bytes written since)."""
-        result = self._read(keys)
-        return [(page, meta.digest) for page, meta in zip(result.pages, result.metas, strict=False)]
-
-    def _read(self, keys: Sequence[bytes]) -> ReadResult:
         result = self._stored(keys)
         self._count_read(len(result.pages), sum(m.size for m in result.metas))
-        return result
+        return result.pages
 
     def _stored(self, keys: Sequence[bytes]) -> ReadResult:
         """The stored prefix of ``keys``, uncounted."""
