@@ -63,12 +63,18 @@ def test_an_early_stop_cancels_what_has_not_started() -> None:
 def test_an_early_stop_waits_for_the_items_already_running() -> None:
     started: list[int] = []
     finished: list[int] = []
+    one_started = threading.Event()
 
     def work(i: int) -> int:
         if i:
             started.append(i)
+            one_started.set()
             time.sleep(0.2)  # still running when the consumer stops
             finished.append(i)
+        else:
+            # on a loaded machine item 1 may not have started by the time item 0 returns and
+            # the consumer stops: wait for it (the pool has two workers or more on 2 cores)
+            one_started.wait(timeout=30)
         return i
 
     with contextlib.closing(ordered(work, range(3), parallel=True)) as results:
