@@ -30,8 +30,10 @@ Models: SmolLM2-135M (llama) and Gemma 3 270M (gemma3, sliding-window attention,
 
     python scripts/certify.py --cachegen  the ``cachegen`` lane only (scripts/qualify_cachegen.py):
                                          qualify the lossy CacheGen page codec per (model digest,
-                                         K/V layout, backend) on SmolLM2 and write the roster's
-                                         "cachegen" rows, keeping the other rows as they are
+                                         K/V layout, backend) on SmolLM2 and Gemma 3 (teacher-
+                                         forced quality against the native cache) and write the
+                                         roster's "cachegen" rows, keeping the other rows as they
+                                         are
 
 A run of the other lanes keeps the roster's ``cachegen`` rows, and ``--cachegen`` keeps the
 rest: each lane is re-run on its own.
@@ -443,8 +445,10 @@ CACHEGEN_LAYOUTS = (
 )
 
 
-def certify_cachegen(path: Path, n_cal: int, n_held: int, layouts: list[str] | None) -> int:
-    """The ``cachegen`` lane: qualify every layout on SmolLM2, replace those rows only."""
+def certify_cachegen(
+    path: Path, n_cal: int, n_held: int, layouts: list[str] | None, models: list[str] | None
+) -> int:
+    """The ``cachegen`` lane: qualify every layout of every model, replace those rows only."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import qualify_cachegen
 
@@ -456,12 +460,11 @@ def certify_cachegen(path: Path, n_cal: int, n_held: int, layouts: list[str] | N
     if roster is None:
         print(f"certify --cachegen: no roster at {path}; run scripts/certify.py", file=sys.stderr)
         return 1
-    model = _models(["smollm2"])[0]
-    digest = file_digest(model.path)
     rows = list(roster.cachegen)
-    for layout in CACHEGEN_LAYOUTS:
+    for model, layout in [(m, lay) for m in _models(models) for lay in CACHEGEN_LAYOUTS]:
         if layouts and layout.name not in layouts:
             continue
+        digest = file_digest(model.path)
         row, _ = qualify_cachegen.qualify(
             model.path, model.name, digest, layout.type_k, layout.type_v, layout.flash_attn,
             n_cal=n_cal, n_held=n_held,
@@ -526,10 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         "--cachegen", action="store_true", help="run the cachegen lane only (see above)"
     )
     parser.add_argument(
-        "--prompts", type=int, default=20, help="cachegen: calibration prompts (default 20)"
+        "--prompts", type=int, default=64, help="cachegen: calibration prompts (default 64)"
     )
     parser.add_argument(
-        "--held-out", type=int, default=8, help="cachegen: held-out texts (default 8)"
+        "--held-out", type=int, default=16, help="cachegen: held-out texts (default 16)"
     )
     parser.add_argument(
         "--layouts", nargs="*", default=None, help="cachegen: only these layouts (by name)"
@@ -547,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restart_child:
         return restart_child(*args.restart_child)
     if args.cachegen:
-        return certify_cachegen(args.roster, args.prompts, args.held_out, args.layouts)
+        return certify_cachegen(args.roster, args.prompts, args.held_out, args.layouts, args.models)
     if args.check:
         return check(args.roster, args.patches)
     return certify(args.roster, args.patches, args.models)

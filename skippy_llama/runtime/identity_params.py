@@ -447,10 +447,11 @@ def codec_choice(
     select.warn_once(
         f"cachegen:{model_digest}:{backend}:{layout}",
         "skippy-llama: L3 stores CacheGen pages (%s): lossy, restores are not bit-identical to "
-        "a cold prefill (qualified: %s of prompts gave 64/64 equal greedy tokens, perplexity "
-        "%+.2f%%, size %.3f of native)",
+        "a cold prefill (qualified teacher-forced: next-token argmax agrees at %.2f%% of "
+        "positions, mean KL %.4f nats, perplexity %+.2f%%, size %.3f of native)",
         params.describe(),
-        row.measured.get("exact_share"),
+        100 * float(row.measured.get("argmax_agree", 0.0)),
+        float(row.measured.get("mean_kl", 0.0)),
         100 * float(row.measured.get("ppl_rise", 0.0)),
         float(row.measured.get("size_ratio", 0.0)),
     )

@@ -58,7 +58,7 @@ def _plant_row(monkeypatch: pytest.MonkeyPatch) -> None:
         def cachegen_row(self, digest: str, backend: str, layout: str) -> CacheGenRow:
             return CacheGenRow(
                 "test", digest, backend, layout, "F16", "F16", False, PARAMS.identity(),
-                {"exact_share": 1.0, "ppl_rise": 0.0, "size_ratio": 0.5},
+                {"argmax_agree": 1.0, "mean_kl": 0.0, "ppl_rise": 0.0, "size_ratio": 0.5},
             )  # fmt: skip
 
     monkeypatch.setattr(identity_params, "load_roster", lambda: Qualified())
