@@ -192,3 +192,34 @@ def test_params_validation() -> None:
     ):
         with pytest.raises(ValueError):
             CacheGenParams(**kw)  # type: ignore[arg-type]
+
+
+def test_fast_half_conversion_matches_the_table() -> None:
+    """The decoder's integer F32-to-F16 passes (values pre-scaled by 2**-112) give the table
+    conversion's bits for every normal F16 value, ties included, and at most one ulp off it for
+    subnormals; a bound past F16's range takes the table path."""
+    rng = np.random.default_rng(7)
+    normal = np.concatenate(
+        [
+            rng.uniform(-65000, 65000, 20000),
+            rng.normal(0, 1, 20000),
+            np.float32(2.0) ** rng.uniform(-14, 15.9, 20000) * rng.choice([-1, 1], 20000),
+            # exact ties between two F16 values, and values that round up into the next binade
+            (np.arange(1, 1024) + 0.5) * 2.0**-10,
+            np.array([65504.0, -65504.0, 2.0**-14, 1.0 - 2.0**-12]),
+        ]
+    ).astype(np.float32)
+    sub = (rng.uniform(-1, 1, 5000) * 2.0**-14).astype(np.float32)
+    for values, tol in ((normal, 0), (sub, 1)):
+        want = cachegen._half_bits(values.copy())
+        got = np.empty(len(values), np.uint16)
+        scaled = (values.astype(np.float32) * cachegen._F16_SCALE).astype(np.float32)
+        cachegen._scaled_half_bits(scaled, got, float(np.abs(scaled).max()))
+        diff = np.abs(got.view(np.int16).astype(np.int32) - want.view(np.int16).astype(np.int32))
+        assert int(diff.max()) <= tol
+        assert np.all(np.sign(got.view(np.float16)) == np.sign(want.view(np.float16)))
+    big = np.array([70000.0, -1.0], np.float32)
+    got = np.empty(2, np.uint16)
+    scaled = big * cachegen._F16_SCALE
+    cachegen._scaled_half_bits(scaled, got, float(np.abs(scaled).max()))
+    assert got.view(np.float16)[0] == np.inf and got.view(np.float16)[1] == -1.0
