@@ -636,9 +636,9 @@ def _dequantize(
         idx = np.add(
             q[:, : full * G].reshape(k, full, G, c), base[:, :full, None, :], dtype=np.uint32
         )
-        target = out[:, : full * G].reshape(k, full, G, c)  # splits an axis: always a view
-        assert np.may_share_memory(target, block)
-        np.take(lut, idx, out=target.view(lut.dtype), mode="clip")
+        split = out[:, : full * G].reshape(k, full, G, c)  # splits an axis: always a view
+        assert np.may_share_memory(split, block)
+        np.take(lut, idx, out=split.view(lut.dtype), mode="clip")
     if full * G < T:
         idx = np.add(q[:, full * G :], base[:, full, None, :], dtype=np.uint32)
         np.take(lut, idx, out=out[:, full * G :].view(lut.dtype), mode="clip")
