@@ -13,8 +13,8 @@ on the same positions:
 - the mean KL divergence (native || lossy) is <= 0.02 nats;
 - the held-out texts' perplexity (other windows, scored the same way) rises <= 1 %.
 
-Every candidate is measured; the smallest (by measured size ratio) passing set is the row's
-parameters. For that set (or, when none passes, the richest) the greedy agreement is measured too
+The richest candidate is measured first; when it passes, every cheaper one is measured and the
+smallest (by measured size ratio) passing set is the row's parameters. For that set (or, when none passes, the richest) the greedy agreement is measured too
 and reported, not gated, on the first ``GREEDY_PROMPTS`` calibration texts: after each restore the text's next ``SUFFIX`` tokens are prefilled and
 ``GENERATE`` tokens generated greedily, and the share of prompts whose 64 tokens all equal the
 native restore's, and the mean tokens before the first difference, are recorded.
@@ -58,11 +58,11 @@ from skippy_llama.state import assemble, cut_pages, page_from_bytes  # noqa: E40
 from skippy_llama.state.format import parse_layout, parse_sections  # noqa: E402
 
 PAGE = 128
-PREFIX_PAGES = 2  # 256 restored tokens per text: under Gemma 3's 512-token window
+PREFIX_PAGES = 1  # 128 restored tokens per text: under Gemma 3's 512-token window
 SCORED = 64  # teacher-forced positions per text
 SUFFIX = 8  # greedy report: prompt tokens prefilled after the restore
 GENERATE = 64
-GREEDY_PROMPTS = 16  # the greedy report's prompts (the first calibration texts)
+GREEDY_PROMPTS = 8  # the greedy report's prompts (the first calibration texts)
 #: candidates (k_bits, v_bits) per layer third, shallow first; all are measured and the smallest
 #: passing one is kept. The old cascade gate's figures on SmolLM2 (issue 33): 3/3 bits 0.17 of
 #: native, 4/4 0.23, 6/6 0.37, 8/8 0.50.
@@ -112,10 +112,20 @@ def _reset(llm: llama_cpp.Llama) -> None:
     llm.n_tokens = 0
 
 
+def _eval(llm: llama_cpp.Llama, tokens: list[int], *, logits_all: bool = False) -> None:
+    """``llm.eval`` computing every position's logits only where they are scored (the output
+    layer over a 49k or 262k vocabulary is most of a small model's prefill)."""
+    llm._logits_all = logits_all
+    try:
+        llm.eval(tokens)
+    finally:
+        llm._logits_all = True
+
+
 def _capture(llm: llama_cpp.Llama, tokens: list[int]) -> Sections:
     """Cold prefill of ``tokens``; each memory section's first ``PREFIX_PAGES`` pages."""
     _reset(llm)
-    llm.eval(tokens)
+    _eval(llm, tokens)
     sections = parse_sections(native.get_seq_state(llm.ctx, 0))
     out = []
     for s in sections:
@@ -158,20 +168,20 @@ def _teacher_forced(llm: llama_cpp.Llama, sections: Sections, tokens: list[int])
     """Logits at the ``SCORED`` positions after the prefix (predicting the next tokens)."""
     p = PREFIX_PAGES * PAGE
     _restore(llm, sections, tokens)
-    llm.eval(tokens[p : p + SCORED])
+    _eval(llm, tokens[p : p + SCORED], logits_all=True)
     return np.array(llm.scores[p : p + SCORED], dtype=np.float32)
 
 
 def _greedy(llm: llama_cpp.Llama, sections: Sections, tokens: list[int]) -> list[int]:
     p = PREFIX_PAGES * PAGE
     _restore(llm, sections, tokens)
-    llm.eval(tokens[p : p + SUFFIX])
+    _eval(llm, tokens[p : p + SUFFIX])
     out: list[int] = []
     logits = _logits(llm)
     for _ in range(GENERATE):
         tok = int(np.argmax(logits))
         out.append(tok)
-        llm.eval([tok])
+        _eval(llm, [tok])
         logits = _logits(llm)
     return out
 
@@ -274,7 +284,7 @@ def qualify(
         held = texts(llm, n_held, length, True)
         # one text first: a layout the codec cannot code fails without the costly runs
         _reset(llm)
-        llm.eval(cal[0][: PREFIX_PAGES * PAGE])
+        _eval(llm, cal[0][: PREFIX_PAGES * PAGE])
         state = native.get_seq_state(llm.ctx, 0)
         layout = parse_layout(state)
         probe = _capture(llm, cal[0][: PREFIX_PAGES * PAGE])[0][0]
@@ -290,7 +300,11 @@ def qualify(
             reason = f"not coded: {exc} (measured on a {PAGE}-token page of this layout)"
             return CacheGenRow(**key, params=None, measured={}, reason=reason), []
         sets = [CacheGenParams(k, v, GROUP_TOKENS) for k, v in ladder]
-        tried = measure_all(llm, cal, held, sets)
+        # the richest set first: when it fails, the cheaper ones are not measured (the gate
+        # is taken to be monotone in the bits)
+        tried = measure_all(llm, cal, held, sets[-1:])
+        if tried[0].passed and len(sets) > 1:
+            tried = measure_all(llm, cal, held, sets[:-1]) + tried
         for m in tried:
             verdict = "PASS" if m.passed else "fail"
             print(f"qualify: {model_name} {key['type_k']}/{key['type_v']} fa={flash_attn} "
