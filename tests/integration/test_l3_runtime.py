@@ -25,7 +25,7 @@ import pytest
 from modelhelpers import TEXT, aligned
 
 from skippy_llama.config import L3Settings, Settings
-from skippy_llama.costs import CostModel
+from skippy_llama.costs import AlwaysRestore, CostModel
 from skippy_llama.events import CacheEvent
 from skippy_llama.runtime.llama import DECODED_SUFFIX, SkippyLlama
 from skippy_llama.tiers.disk import DiskTier
@@ -335,8 +335,15 @@ def test_records_cut_after_later_requests_captured_restore_exact_outputs(
 def test_same_process_repeats_are_served_by_l1_without_l3_reads(
     smollm2_path: Path, tmp_path: Path, reference: list[str]
 ) -> None:
+    """Parks are forced (``AlwaysRestore``): P0 and P1 differ in their last ~14 tokens, a tail
+    the default costs do not park (issue 42: prefilling it again beats a park), so P0's repeat
+    would append L3's last page to the live document instead."""
     llm = SkippyLlama(
-        str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=l3_settings(tmp_path / "l3")
+        str(smollm2_path),
+        n_ctx=N_CTX,
+        verbose=False,
+        cache_settings=l3_settings(tmp_path / "l3"),
+        cost_model=AlwaysRestore(),
     )
     try:
         order = [0, 1, 0, 1]
