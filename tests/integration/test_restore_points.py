@@ -11,6 +11,11 @@ import pytest
 
 from skippy_llama import SkippyLlama
 from skippy_llama.config import Settings
+from skippy_llama.runtime import native_ext
+
+#: the patched build (patch 0004's CPU kernels): every synthetic family's restores are exact
+#: and the load-time check must turn restore points on; the stock build may refuse some
+PATCHED = native_ext.abi_version() is not None
 
 pytestmark = pytest.mark.model
 
@@ -63,8 +68,11 @@ def test_extended_prompts_restore_and_match_cold(
         cache_settings=Settings(),
     )
     try:
-        assert llm.restore_points is not None
         assert not llm.caching  # the paged cache still refuses the model
+        # where the load-time check found restores inexact (stock kernels, chunked prefills of
+        # some families), the model is served as plain Llama: no event, outputs still cold's
+        on = llm.restore_points is not None
+        assert on or not PATCHED
         served = []
         for prompt in turns:
             tokens, logits = _greedy(llm, prompt, 5)
@@ -72,14 +80,15 @@ def test_extended_prompts_restore_and_match_cold(
             assert tokens == cold_tokens
             assert np.array_equal(logits, cold_logits)
             event = llm.last_cache_event
-            assert event is not None
-            served.append(event.cached_tokens)
+            assert (event is not None) == on
+            served.append(event.cached_tokens if event is not None else 0)
     finally:
         llm.close()
     # turn 1 is cold; turns 2-4 continue from the deepest earlier prompt they extend
-    assert served == [0, 90, 94, 90]
+    assert served == ([0, 90, 94, 90] if on else [0, 0, 0, 0])
 
 
+@pytest.mark.skipif(not PATCHED, reason="stock kernels: qwen35's chunked restores are inexact")
 def test_text_completions_report_cached_tokens(synthetic_models: dict[str, Path]) -> None:
     llm = SkippyLlama(
         str(synthetic_models["qwen35"]),
