@@ -51,6 +51,19 @@ def _greedy(
     return tokens, first
 
 
+def _skippy(path: Path, settings: Settings | None = None) -> SkippyLlama:
+    """A SkippyLlama on a synthetic model, one thread (a loaded machine's spinning batch
+    threads made these tiny models 100x slower)."""
+    return SkippyLlama(
+        str(path),
+        n_ctx=512,
+        n_threads=1,
+        n_threads_batch=1,
+        verbose=False,
+        cache_settings=settings or Settings(),
+    )
+
+
 @pytest.mark.parametrize("family", _FAMILIES)
 def test_extended_prompts_restore_and_match_cold(
     family: str, synthetic_models: dict[str, Path]
@@ -59,14 +72,7 @@ def test_extended_prompts_restore_and_match_cold(
     rng = np.random.default_rng(1)
     doc = [int(t) for t in rng.integers(3, 300, size=90)]
     turns = [doc, [*doc, 17, 18, 19, 20], [*doc, 17, 18, 19, 20, 40, 41, 42], [*doc, 99, 98]]
-    llm = SkippyLlama(
-        str(path),
-        n_ctx=512,
-        n_threads=1,
-        n_threads_batch=1,
-        verbose=False,
-        cache_settings=Settings(),
-    )
+    llm = _skippy(path)
     try:
         assert not llm.caching  # the paged cache still refuses the model
         # where the load-time check found restores inexact (stock kernels, chunked prefills of
@@ -90,14 +96,7 @@ def test_extended_prompts_restore_and_match_cold(
 
 @pytest.mark.skipif(not PATCHED, reason="stock kernels: qwen35's chunked restores are inexact")
 def test_text_completions_report_cached_tokens(synthetic_models: dict[str, Path]) -> None:
-    llm = SkippyLlama(
-        str(synthetic_models["qwen35"]),
-        n_ctx=512,
-        n_threads=1,
-        n_threads_batch=1,
-        verbose=False,
-        cache_settings=Settings(),
-    )
+    llm = _skippy(synthetic_models["qwen35"])
     try:
         text = "A shared document about cats and dogs. " * 4
         llm.create_completion(text + "Question one?", max_tokens=3, temperature=0.0)
@@ -111,14 +110,7 @@ def test_text_completions_report_cached_tokens(synthetic_models: dict[str, Path]
 
 
 def test_off_without_l1(synthetic_models: dict[str, Path]) -> None:
-    llm = SkippyLlama(
-        str(synthetic_models["mamba2"]),
-        n_ctx=256,
-        n_threads=1,
-        n_threads_batch=1,
-        verbose=False,
-        cache_settings=Settings(l1={"enabled": False}),
-    )
+    llm = _skippy(synthetic_models["mamba2"], Settings(l1={"enabled": False}))
     try:
         assert llm.restore_points is None
     finally:
