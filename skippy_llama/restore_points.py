@@ -10,18 +10,28 @@ prompt that extends a stored point's tokens restores the deepest one and decodes
 The store is pure bookkeeping (no llama.cpp): points are keyed by the chain key of their tokens
 (:func:`skippy_llama.identity.chain_key` from the cache identity's root), and evicted least
 recently used first to stay within a byte budget.
+
+Beyond this process a point travels as a *record* (:func:`pack_point`): a versioned header, the
+tokens and the state, with a digest over both. Stored records are input: :func:`unpack_point`
+checks the header, the lengths, the digest and that the tokens hash to the key the record was
+asked for under (the cache identity), and raises
+:class:`~skippy_llama.errors.StoreDataError` for anything else; nothing is unpickled. The tiers
+that keep records (L2 host RAM, L3 disk) implement :class:`PointTier`.
 """
 
 from __future__ import annotations
 
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
+from .errors import StoreDataError
 from .identity import chain_key
 
 #: Bytes all restore points of one model may hold by default (host RAM).
@@ -38,6 +48,97 @@ class RestorePoint:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+
+#: A record: magic, format version, token count, state bytes, xxh3_128 of the identity root,
+#: xxh3_128(tokens || state).
+_MAGIC = b"SKRP"
+POINT_FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sBxxxIQ16s16s")
+
+
+def point_key(root: bytes, tokens: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bytes:
+    """The key of the restore point after ``tokens`` under the cache identity ``root``."""
+    return chain_key(root, np.asarray(tokens, dtype=np.int32))
+
+
+def _digest(tokens: bytes, blob: bytes | memoryview) -> bytes:
+    h = xxhash.xxh3_128(tokens)
+    h.update(blob)
+    return h.digest()
+
+
+def pack_point(point: RestorePoint, root: bytes) -> bytes:
+    """The record of ``point`` under the cache identity ``root``: header, tokens (int32
+    little-endian), state."""
+    tokens = np.asarray(point.tokens, dtype="<i4").tobytes()
+    head = _HEAD.pack(
+        _MAGIC,
+        POINT_FORMAT_VERSION,
+        point.n_tokens,
+        len(point.blob),
+        xxhash.xxh3_128_digest(root),
+        _digest(tokens, point.blob),
+    )
+    return b"".join((head, tokens, point.blob))
+
+
+def unpack_point(raw: bytes | memoryview, *, root: bytes, key: bytes) -> RestorePoint:
+    """The point a record holds, checked: format, lengths, digest, and that its tokens give
+    ``key`` under ``root`` (a record stored for another model, identity or prefix is refused).
+
+    Raises:
+        StoreDataError: the record is damaged, foreign or not the one asked for.
+    """
+    view = memoryview(raw)
+    if len(view) < _HEAD.size:
+        raise StoreDataError(f"restore-point record of {len(view)} bytes is shorter than a header")
+    magic, version, n_tokens, n_blob, identity, digest = _HEAD.unpack_from(view)
+    if magic != _MAGIC:
+        raise StoreDataError("not a restore-point record (magic)")
+    if version != POINT_FORMAT_VERSION:
+        raise StoreDataError(
+            f"restore-point record version {version} is not {POINT_FORMAT_VERSION}"
+        )
+    if identity != xxhash.xxh3_128_digest(root):
+        raise StoreDataError("restore-point record of another cache identity")
+    if n_tokens == 0 or len(view) != _HEAD.size + 4 * n_tokens + n_blob:
+        raise StoreDataError("restore-point record length does not match its header")
+    tokens = bytes(view[_HEAD.size : _HEAD.size + 4 * n_tokens])
+    blob = bytes(view[_HEAD.size + 4 * n_tokens :])
+    if _digest(tokens, blob) != digest:
+        raise StoreDataError("restore-point record digest mismatch")
+    arr = np.frombuffer(tokens, dtype="<i4").astype(np.int32)
+    if point_key(root, arr) != key:
+        raise StoreDataError("restore-point record holds other tokens than its key's")
+    return RestorePoint(arr, blob)
+
+
+@dataclass(frozen=True)
+class PointOwner:
+    """Whose points a tier keeps (listed by ``kv-cache status``)."""
+
+    model_identity: str = ""
+    model_name: str = ""
+
+
+class PointTier(Protocol):
+    """A tier that keeps restore-point records beyond the live process's own points (L2 host
+    RAM, L3 disk). Lookups never raise: a damaged record is a miss and a counter."""
+
+    name: str
+
+    def point_lengths(self, root: bytes) -> list[int]:
+        """Token counts of the points stored under ``root`` (deepest first or any order)."""
+        ...
+
+    def get_point(self, root: bytes, tokens: npt.NDArray[np.int32]) -> RestorePoint | None:
+        """The verified point after exactly ``tokens``, None when absent or damaged."""
+        ...
+
+    def put_point(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
+        """Keep ``point``; False when refused (budget, state, error)."""
+        ...
 
 
 class RestorePointStore:
@@ -60,6 +161,19 @@ class RestorePointStore:
 
     def __len__(self) -> int:
         return len(self._points)
+
+    def lengths(self) -> list[int]:
+        """Token counts of the stored points."""
+        return list(self._lengths)
+
+    def get(self, tokens: npt.NDArray[np.int32]) -> RestorePoint | None:
+        """The point after exactly ``tokens`` (marked recently used), None when absent."""
+        key = self._key(tokens)
+        point = self._points.get(key)
+        if point is None or not np.array_equal(point.tokens, tokens):
+            return None
+        self._points.move_to_end(key)
+        return point
 
     def _key(self, tokens: npt.NDArray[np.int32]) -> bytes:
         return chain_key(self.root, tokens)
@@ -109,3 +223,42 @@ class RestorePointStore:
         self._lengths[point.n_tokens] -= 1
         if self._lengths[point.n_tokens] == 0:
             del self._lengths[point.n_tokens]
+
+
+class RamPoints:
+    """L2 for restore points: verified points in host RAM within ``max_bytes``, a mirror of
+    what L3 holds (filled when L3 stores or serves a point). Serves one identity root, the
+    first it is given (one per ``SkippyLlama``); points of any other are refused."""
+
+    name = "l2"
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._store: RestorePointStore | None = None
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the points held."""
+        return self._store.bytes if self._store is not None else 0
+
+    def _of(self, root: bytes) -> RestorePointStore | None:
+        store = self._store
+        return store if store is not None and store.root == root else None
+
+    def point_lengths(self, root: bytes) -> list[int]:
+        store = self._of(root)
+        return store.lengths() if store is not None else []
+
+    def get_point(self, root: bytes, tokens: npt.NDArray[np.int32]) -> RestorePoint | None:
+        store = self._of(root)
+        return store.get(tokens) if store is not None else None
+
+    def put_point(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
+        if self._store is None:
+            self._store = RestorePointStore(root, self.max_bytes)
+        store = self._of(root)
+        return store is not None and store.put(point.tokens, point.blob)
+
+    def clear(self) -> None:
+        if self._store is not None:
+            self._store.clear()

@@ -259,6 +259,20 @@ def format_status(report: dict[str, Any]) -> str:
                 )
         else:
             lines.append("inventory: empty")
+        points = report.get("restore_points") or []
+        if points:
+            lines.append(
+                f"restore points (recurrent and hybrid models): {usage['restore_points']}, "
+                f"{human_size(usage['restore_point_bytes'])}; served {act['point_hits']}, "
+                f"written {act['point_writes']}, evicted {act['points_evicted']}, "
+                f"corrupt {act['corrupt_points']}, dropped {act['points_dropped']}"
+            )
+            for entry in points:
+                sizes = ", ".join(f"{n} tok {human_size(b)}" for n, b in entry["sizes"])
+                lines.append(
+                    f"  {entry['model_identity']}  {entry['model_name']}: {entry['points']} "
+                    f"points, {human_size(entry['bytes'])}: {sizes}"
+                )
     l1 = report.get("l1")
     if l1 is not None:
         lines.append(f"L1: {l1['summary']}")

@@ -35,9 +35,11 @@ from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
 from ..packages.loader import LoadedPackage, load_package
 from ..pinned import cuda_pinner
 from ..prefetch import PrefetchResult
+from ..restore_points import PointOwner
 from ..roster import Verdict
 from ..state import KVLayout
-from ..tiers.factory import wants_pages
+from ..tiers.factory import build_point_tiers, wants_pages
+from ..tiers.l3.trace import TraceWriter
 from . import probes, repair
 from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
@@ -176,7 +178,18 @@ class SkippyLlama(llama_cpp.Llama):
         self.restore_points: RestorePointPath | None = None
         if seq.disabled_reason is not None:
             root, l1 = self.cache_identity.root, settings.l1.enabled
-            self.restore_points = open_restore_points(seq, l1_enabled=l1, root=root)
+            model = self.cache_identity.model
+            owner = PointOwner(model.id, model.name or Path(model_path).name)
+            self.restore_points = open_restore_points(
+                seq,
+                l1_enabled=l1,
+                root=root,
+                tiers=lambda: build_point_tiers(settings),
+                owner=owner,
+                trace=lambda: TraceWriter.from_settings(
+                    settings.l3.trace_file, settings.page_tokens
+                ),
+            )
         self.recorder = Recorder(seq, self.prefix_cache, 0 if on_cpu else DEFER_RECORD_TOKENS)
 
     @classmethod
@@ -492,6 +505,9 @@ class SkippyLlama(llama_cpp.Llama):
         if cache is not None:
             self.recorder.flush()
             cache.close()
+        points = getattr(self, "restore_points", None)
+        if points is not None:
+            points.close()
         seam = getattr(self, "seam", None)
         if seam is not None:
             seam.close()

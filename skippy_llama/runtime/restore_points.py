@@ -12,6 +12,14 @@ only the rest is decoded, and the state at its end is stored for the next reques
 The live sequence is never continued as it is: its generated tokens were decoded one at a time,
 which need not equal a batched prefill's results, so every request starts from a restore point or
 from nothing.
+
+Beyond the process's own points (L1 here: host memory on the CPU) a point is kept in the tiers
+of :func:`skippy_llama.tiers.factory.build_point_tiers`: L2 (host RAM, a mirror of L3) and L3
+(disk, survives a restart). Each keeps the whole state as one verified record keyed by the chain
+key of the point's tokens under the cache identity (a first step: the composed form, attention
+pages + a snapshot of the recurrent state, was proven exact by the probe but is not stored yet).
+The lookup restores the deepest point, in any tier, that the prompt extends; a point served by
+L3 is copied into L2 and L1.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import llama_cpp
 import numpy as np
 
 from ..events import CacheEvent
-from ..restore_points import RestorePointStore
+from ..restore_points import PointOwner, PointTier, RestorePoint, RestorePointStore
+from ..tiers.l3.trace import TraceWriter
 from . import native
 from .restore_probe import restores_exactly
 from .timing import on_tokens
@@ -35,9 +44,22 @@ log = logging.getLogger("skippy_llama")
 
 _WORKING_SEQ = 0
 
+#: A long prompt is prefilled in chunks ending at multiples of this many tokens, with a restore
+#: point at each chunk's end: a later prompt that shares only part of it (the next question on
+#: a shared document) continues from the deepest one instead of from nothing. Chosen, not yet
+#: derived from the cost model: at 256 a 2,000-token document leaves at most 255 tokens to
+#: re-decode, and each point costs one state capture (a whole state: the attention cells too).
+POINT_EVERY = 256
+
 
 def open_restore_points(
-    seq: WorkingSequence, *, l1_enabled: bool, root: bytes
+    seq: WorkingSequence,
+    *,
+    l1_enabled: bool,
+    root: bytes,
+    tiers: Callable[[], list[PointTier]] = list,
+    owner: PointOwner | None = None,
+    trace: Callable[[], TraceWriter | None] = lambda: None,
 ) -> RestorePointPath | None:
     """Restore points for the working sequence ``seq`` when its model is recurrent or hybrid and
     this build makes its restores exact, else None (the model is then served as plain
@@ -47,7 +69,9 @@ def open_restore_points(
     per-token logits rows (restored tokens come without them), the CPU backend without BLAS and
     flash attention off (where batch splits do not change results), and
     :func:`restores_exactly` in this context. The points are keyed under the cache identity's
-    ``root``.
+    ``root``; ``tiers`` opens the tiers that keep them beyond this process and ``trace`` the
+    trace writer (both called only when restore points are on); the tiers list them under
+    ``owner``.
     """
     llm = seq.llm
     if not (llm._is_recurrent or llm._is_hybrid) or not l1_enabled:
@@ -61,15 +85,31 @@ def open_restore_points(
     if not restores_exactly(llm._model.model, llm.ctx):
         log.info("skippy-llama: restores are not exact for this model here; no restore points")
         return None
-    return RestorePointPath(seq, RestorePointStore(root))
+    return RestorePointPath(
+        seq, RestorePointStore(root), tiers(), owner or PointOwner(), trace=trace()
+    )
 
 
 class RestorePointPath:
-    """Serves ``SkippyLlama.generate`` of a recurrent or hybrid model from restore points."""
+    """Serves ``SkippyLlama.generate`` of a recurrent or hybrid model from restore points:
+    the process's own ``store`` (L1), then ``tiers`` in order (L2, L3)."""
 
-    def __init__(self, seq: WorkingSequence, store: RestorePointStore) -> None:
+    def __init__(
+        self,
+        seq: WorkingSequence,
+        store: RestorePointStore,
+        tiers: Sequence[PointTier] = (),
+        owner: PointOwner | None = None,
+        every: int = POINT_EVERY,
+        trace: TraceWriter | None = None,
+    ) -> None:
         self.seq = seq
         self.store = store
+        self.tiers = list(tiers)
+        self.owner = owner or PointOwner()
+        self.every = every
+        #: ``l3.trace_file``'s writer: lookups and points, for ``kv-cache simulate``
+        self.trace = trace
 
     def generate(
         self,
@@ -87,6 +127,7 @@ class RestorePointPath:
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
         self._restore(prompt, event)
+        taken = self._prefill_points(prompt)
 
         def seen(i: int, token: int) -> None:
             seq.last_sampled = token
@@ -96,19 +137,80 @@ class RestorePointPath:
             event.prefill_ms = event.ttft_ms - event.restore_ms
             # the prompt is decoded and its first token sampled, not yet evaluated
             if llm.n_tokens == len(prompt):
-                self.store.put(prompt, bytes(native.get_seq_state(llm.ctx, _WORKING_SEQ)))
+                blob = bytes(native.get_seq_state(llm.ctx, _WORKING_SEQ))
+                self.store.put(prompt, blob)
+                taken.append(RestorePoint(prompt, blob))
 
         try:
             yield from on_tokens(llama_cpp.Llama.generate(llm, tokens, *args, **kwargs), seen)
         finally:
             event.suffix_tokens = event.prompt_tokens - event.cached_tokens
+            # the deeper tiers take the point after the reply, off the time to first token
+            for point in taken:
+                self._offer(point)
             finished(event)
 
+    def _prefill_points(self, prompt: np.ndarray[Any, np.dtype[np.int32]]) -> list[RestorePoint]:
+        """Prefill ``prompt`` from where the restore left it up to the last multiple of
+        :attr:`every` before its end, a chunk at a time, keeping a restore point at each chunk's
+        end; ``Llama.generate`` then decodes the rest. The load-time check proved a chunked
+        prefill gives the one-batch prefill's results here."""
+        llm = self.seq.llm
+        taken: list[RestorePoint] = []
+        if self.every <= 0:
+            return taken
+        start = (llm.n_tokens // self.every + 1) * self.every
+        for end in range(start, len(prompt), self.every):
+            llama_cpp.Llama.eval(llm, prompt[llm.n_tokens : end].tolist())
+            blob = bytes(native.get_seq_state(llm.ctx, _WORKING_SEQ))
+            head = prompt[:end].copy()
+            self.store.put(head, blob)
+            taken.append(RestorePoint(head, blob))
+        return taken
+
+    def _offer(self, point: RestorePoint) -> None:
+        """L3 first, then L2, which mirrors only what L3 holds."""
+        stored = False
+        root = self.store.root
+        if self.trace is not None:  # stored as one whole state: no pages apart from it
+            self.trace.point_record(root, point.tokens, 0, len(point.blob))
+        for tier in reversed(self.tiers):
+            if tier.name == "l3":
+                stored = tier.put_point(root, point, self.owner)
+            elif stored:
+                tier.put_point(root, point, self.owner)
+
+    def _find(self, prompt: np.ndarray[Any, np.dtype[np.int32]]) -> tuple[str, RestorePoint] | None:
+        """The deepest point in any tier whose tokens are a proper prefix of ``prompt``."""
+        root = self.store.root
+        lengths = set(self.store.lengths())
+        for tier in self.tiers:
+            lengths.update(tier.point_lengths(root))
+        for n in sorted((n for n in lengths if 0 < n < len(prompt)), reverse=True):
+            head = prompt[:n]
+            point = self.store.get(head)
+            if point is not None:
+                return "l1", point
+            for i, tier in enumerate(self.tiers):
+                point = tier.get_point(root, head)
+                if point is None:
+                    continue
+                # promote into the shallower tiers (L2 only mirrors what L3 served)
+                for shallower in self.tiers[:i]:
+                    shallower.put_point(root, point, self.owner)
+                self.store.put(point.tokens, point.blob)
+                return tier.name, point
+        return None
+
     def _restore(self, prompt: np.ndarray[Any, np.dtype[np.int32]], event: CacheEvent) -> None:
-        point = self.store.best(prompt)
-        if point is None:
-            return
         t0 = time.perf_counter()
+        found = self._find(prompt)
+        if self.trace is not None:
+            hit = (found[0], found[1].n_tokens) if found is not None else ("cold", 0)
+            self.trace.point_lookup(self.store.root, prompt, hit[1], hit[0])
+        if found is None:
+            return
+        tier, point = found
         llm = self.seq.llm
         if not native.set_seq_state(llm.ctx, bytearray(point.blob), _WORKING_SEQ):
             native.seq_rm(llm.ctx, _WORKING_SEQ)
@@ -118,11 +220,33 @@ class RestorePointPath:
         # Llama.generate keeps these n tokens (its prefix match) and decodes the rest
         llm.input_ids[:n] = point.tokens
         llm.n_tokens = n
-        event.tier = "l1"
+        event.tier = tier  # type: ignore[assignment]
         event.cached_tokens = n
         event.restored_bytes = len(point.blob)
         event.restore_ms = (time.perf_counter() - t0) * 1e3
 
+    def status(self) -> dict[str, Any]:
+        """The process's restore points (L1) and L2's bytes."""
+        out: dict[str, Any] = {"l1": {"points": len(self.store), "bytes": self.store.bytes}}
+        for tier in self.tiers:
+            if tier.name == "l2":
+                out["l2"] = {"bytes": getattr(tier, "stored_bytes", 0)}
+        return out
+
     def clear(self) -> None:
-        """Drop every restore point."""
+        """Drop every restore point this process holds (L1, L2); L3 keeps its own."""
         self.store.clear()
+        for tier in self.tiers:
+            if tier.name != "l3":
+                clear = getattr(tier, "clear", None)
+                if clear is not None:
+                    clear()
+
+    def close(self) -> None:
+        """Close the tiers (L3 lands nothing pending: its point writes are synchronous)."""
+        if self.trace is not None:
+            self.trace.close()
+        for tier in self.tiers:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                close()

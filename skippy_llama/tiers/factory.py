@@ -16,6 +16,7 @@ from ..admission import AdmissionPolicy
 from ..config import Settings
 from ..costs import CostModel
 from ..identity import CacheIdentity
+from ..restore_points import PointTier, RamPoints
 from .base import Tier
 from .l3.tier import DiskTier
 from .ram import RamTier
@@ -89,6 +90,27 @@ def build_tiers(context: TierContext) -> list[Tier]:
         tier = factory(context, tuple(tiers))
         if tier is not None:
             tiers.append(tier)
+    return tiers
+
+
+def build_point_tiers(settings: Settings) -> list[PointTier]:
+    """The tiers that keep restore points beyond the live process (recurrent and hybrid
+    models, whose prefixes are not pageable): L2 (``l2.budget``, a mirror of L3) and L3, when
+    L3 is configured; fails open like :func:`build_tiers`. The remote tier does not take
+    restore points yet."""
+    if settings.l3.mode == "off":
+        return []
+    disk = DiskTier(settings.l3)
+    if not disk.serving:
+        log.warning(
+            "skippy-llama: L3 is %s (%s); restore points stay in memory", disk.state, disk.reason
+        )
+        disk.close()
+        return []
+    tiers: list[PointTier] = []
+    if settings.l2.budget:
+        tiers.append(RamPoints(settings.l2.budget))
+    tiers.append(disk)
     return tiers
 
 

@@ -172,6 +172,9 @@ class DiskUsage(_Json):
     # manifests left out above: damaged, of another version, or without a valid tag (a damaged
     # one is quarantined by the next reconciliation, prune or clear; status itself writes nothing)
     skipped_manifests: int = 0
+    # restore points (recurrent and hybrid models, ``l3/points.py``): records and their bytes
+    restore_points: int = 0
+    restore_point_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,14 @@ class DiskActivity(_Json):
     pages_refused: int = 0  # new pages the store's policy did not admit (the record ends there)
     unauthenticated: int = 0  # pages, index entries, manifests without a valid tag (missed)
     untrusted_rows: int = 0  # rows L3 did not write (pickled, text, foreign file names): dropped
+    point_hits: int = 0  # restore points served (verified)
+    point_misses: int = 0  # restore-point lookups that found none (or a damaged one)
+    point_bytes_read: int = 0
+    point_writes: int = 0
+    point_bytes_written: int = 0
+    corrupt_points: int = 0  # restore-point records that failed verification (quarantined)
+    points_evicted: int = 0  # for the restore points' share of the budget
+    points_dropped: int = 0  # not written: low space, off, over the share, errors
     damaged_manifests: int = 0  # damaged or foreign-version manifests quarantined
     damaged_costs: int = 0  # cost-book entries (or the book) failing validation or tag: ignored
     internal_errors: int = 0  # bugs in L3's own code (logged as errors): must stay 0
@@ -252,6 +263,18 @@ class InventoryEntry(_Json):
 
 
 @dataclass(frozen=True)
+class RestorePointEntry(_Json):
+    """The restore points of one prefix family: one model's points, listed by length."""
+
+    model_identity: str
+    model_name: str
+    points: int
+    bytes: int
+    #: ``[n_tokens, bytes]`` of each point, shortest first
+    sizes: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class DiskStatus:
     """Effective state of the disk tier, for ``kv-cache status`` (configured values come from the
     CLI's LoadedSettings)."""
@@ -264,6 +287,7 @@ class DiskStatus:
     process_activity: DiskActivity  # this process only
     reconciliation: Reconciliation  # the latest one recorded in the store
     inventory: tuple[InventoryEntry, ...] = ()
+    restore_points: tuple[RestorePointEntry, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -273,6 +297,7 @@ class DiskStatus:
             "process_activity": self.process_activity.to_json(),
             "reconciliation": self.reconciliation.to_json(),
             "inventory": [entry.to_json() for entry in self.inventory],
+            "restore_points": [entry.to_json() for entry in self.restore_points],
         }
 
 

@@ -18,10 +18,12 @@ from ..records import (
     InventoryEntry,
     PruneResult,
     Reconciliation,
+    RestorePointEntry,
 )
 from .context import Parts
 from .eviction import Evictor
 from .pins import Pins
+from .points import PointMeta, Points
 from .policy_api import LOW_WATERMARK
 from .reconcile import stored_reconciliation
 from .schema import DATA, MAN, QUAR, RECONCILIATION, Manifest
@@ -38,6 +40,23 @@ CODEC_COUNTERS = (
     "encode_us",
     "encoded_bytes",
 )
+
+
+def _point_entries(points: list[PointMeta]) -> tuple[RestorePointEntry, ...]:
+    """Restore points per model identity, each point's length and bytes."""
+    by_model: dict[str, list[PointMeta]] = {}
+    for point in points:
+        by_model.setdefault(point.model_identity, []).append(point)
+    return tuple(
+        RestorePointEntry(
+            model_identity=model,
+            model_name=group[0].model_name,
+            points=len(group),
+            bytes=sum(p.size for p in group),
+            sizes=tuple(sorted((p.n_tokens, p.size) for p in group)),
+        )
+        for model, group in sorted(by_model.items())
+    )
 
 
 class Admin:
@@ -90,9 +109,10 @@ class Admin:
             reconciliation = stored_reconciliation(store.get(RECONCILIATION))
             manifests, skipped = self.tree.manifests()  # damaged ones skipped, not repaired
             n_pages, n_quarantined = store.count(DATA), store.count(QUAR)
+            points = Points(parts).metas()
         except Exception as exc:
             health.fault(exc, "status")
-            total, reconciliation, manifests = Counter(), None, []
+            total, reconciliation, manifests, points = Counter(), None, [], []
             n_pages = n_quarantined = skipped = 0
         # counted after the listing, which counts what it skips (unauthentic manifests)
         parts.sync_untrusted()
@@ -118,6 +138,8 @@ class Admin:
             pages=n_pages,
             quarantined=n_quarantined,
             skipped_manifests=skipped,
+            restore_points=len(points),
+            restore_point_bytes=sum(p.size for p in points),
         )
         return DiskStatus(
             state=health.state,
@@ -138,6 +160,7 @@ class Admin:
                 )
                 for model, entry in sorted(inventory.items())
             ),
+            restore_points=_point_entries(points),
         )
 
     def codec_summary(self) -> dict[str, Any]:
@@ -266,6 +289,7 @@ class Admin:
             parts.removed(deleted)
         if model_identity is None:
             try:
+                Points(parts).clear()
                 with parts.lock, store.transact():
                     for key in store.keys(QUAR):
                         store.delete(key)

@@ -15,6 +15,13 @@ have restored (by the rates it had measured at that lookup, the restore costs mo
 prefill it saves: GPU builds) is served cold, as live. The replay counts page-aligned matches
 only: the live store also reuses the head of a page where a prompt branches off inside it, so a
 replay may find up to one page fewer per lookup than the live run did.
+
+Restore points (recurrent and hybrid models, issue 46): a record's ``snapshot_bytes`` are stored
+with its last page (its size grows by them, they count as bytes written and leave with the page),
+and a ``points`` lookup is served only up to the deepest page found that carries a snapshot. A
+point whose prefix ends inside a page (a prompt end) is keyed by a partial page no longer lookup
+shares, so the replay finds only points at page boundaries (those taken every N tokens of a long
+prefill): it undercounts what restore points at prompt ends save.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class SimResult:
     pages_evicted: int
     pages_refused: int
     live_hit_tokens: int
+    #: of ``bytes_written``, restore-point snapshots
+    snapshot_bytes_written: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -82,6 +91,7 @@ class _Page:
     created: float
     last_used: float
     hits: int = 0
+    snapshot: int = 0  # bytes of a restore point's snapshot kept with this page (in ``size``)
     ends: int = 0  # recorded prefixes whose path runs through this page (the store's owners)
     is_end: bool = False
     children: set[str] = field(default_factory=set)
@@ -173,6 +183,7 @@ class Simulator:
         self._saved_s = 0.0
         self._written = self._pages_written = self._evicted = self._refused = 0
         self._live_hits = 0
+        self._snapshots_written = 0
 
     def _stats(self, page: _Page, chain_pages: int = 1) -> PageStats:
         return PageStats(
@@ -208,6 +219,9 @@ class Simulator:
             if page is None:
                 break
             found.append(page)
+        if event.points:  # served only where a restore point was stored
+            while found and not found[-1].snapshot:
+                found.pop()
         tokens = sum(page.n_tokens for page in found)
         restored = sum(page.size for page in found)
         if not _restore_pays(event, tokens, restored):
@@ -245,6 +259,13 @@ class Simulator:
         if last is not None and not last.is_end:
             last.is_end = True
             self._add_ends(last.key, 1)
+        whole = last is not None and last.key == event.keys[-1]
+        if event.snapshot_bytes and whole and last is not None and not last.snapshot:
+            last.snapshot = event.snapshot_bytes
+            last.size += event.snapshot_bytes
+            self.used += event.snapshot_bytes
+            self._written += event.snapshot_bytes
+            self._snapshots_written += event.snapshot_bytes
         if self.used > self.budget:
             self._evict_to(int(self.budget * self.low_watermark))
 
@@ -296,6 +317,7 @@ class Simulator:
             saved_tokens=self._saved_tokens,
             saved_s=self._saved_s,
             bytes_written=self._written,
+            snapshot_bytes_written=self._snapshots_written,
             pages_written=self._pages_written,
             pages_evicted=self._evicted,
             pages_refused=self._refused,
@@ -336,9 +358,11 @@ def format_table(results: Sequence[SimResult], *, baseline: str = "lru") -> str:
     """A fixed-width table: one row per budget and policy, saved seconds also relative to
     ``baseline`` under the same budget."""
     base = {r.budget: r.saved_s for r in results if r.policy == baseline}
+    snapshots = any(r.snapshot_bytes_written for r in results)  # restore points: a column
     header = (
         f"{'budget':>10} {'policy':>8} {'saved s':>10} {'x ' + baseline:>8} "
         f"{'saved tok':>10} {'hit %':>6} {'tok hit %':>9} {'written':>10} {'evicted':>8}"
+        + (f" {'snapshots':>10}" if snapshots else "")
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -348,6 +372,7 @@ def format_table(results: Sequence[SimResult], *, baseline: str = "lru") -> str:
             f"{format_size(r.budget):>10} {r.policy:>8} {r.saved_s:>10.2f} {ratio:>8} "
             f"{r.saved_tokens:>10} {100 * r.hit_ratio:>6.1f} {100 * r.token_hit_ratio:>9.1f} "
             f"{human_size(r.bytes_written):>10} {r.pages_evicted:>8}"
+            + (f" {human_size(r.snapshot_bytes_written):>10}" if snapshots else "")
         )
     return "\n".join(lines)
 

@@ -21,8 +21,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ...admission import AdmissionPolicy
 from ...config import L3Settings
+from ...restore_points import PointOwner, RestorePoint
 from ..records import ClearResult, DiskState, DiskStatus, PrefixRecord, PruneResult, Reconciliation
 from .admin import Admin
 from .auth import Signer, load_secret
@@ -33,6 +37,7 @@ from .health import ENTRY_FLOOR, Health
 from .learned import LearnedCosts
 from .maintain import Maintenance
 from .pins import Pins
+from .points import Points
 from .policies import make_policy
 from .policy_api import Policy
 from .reader import Reader, ReadResult
@@ -115,6 +120,7 @@ class DiskTier:
         self._evictor = Evictor(parts, self._tree, self._pins, self.policy, costs)
         self._admin = Admin(parts, self._tree, self._pins, self._evictor)
         self._sessions = Sessions(parts)
+        self._points = Points(parts)
         self.learned: LearnedCosts | None = None
         if admission is not None and cost_key is not None and not read_only:
             self.learned = LearnedCosts(parts, admission.costs, *cost_key)
@@ -357,6 +363,23 @@ class DiskTier:
             n_bytes += sum(m.size for m in more.metas)
         self._count_read(len(pages), n_bytes, in_flight)
         return pages
+
+    # ------------------------------------------------------------------ restore points
+    # (``points.py``; the ``PointTier`` protocol of ``skippy_llama.restore_points``)
+
+    def point_lengths(self, root: bytes) -> list[int]:
+        """Token counts of the restore points stored under ``root``. Never raises."""
+        return self._points.lengths(root)
+
+    def get_point(self, root: bytes, tokens: npt.NDArray[np.int32]) -> RestorePoint | None:
+        """The verified restore point after exactly ``tokens``; None when absent or damaged
+        (quarantined and counted). Never raises."""
+        return self._points.get(root, tokens)
+
+    def put_point(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
+        """Store a restore point (synchronously: records are one state each); False when
+        refused. Never raises."""
+        return self._points.put(root, point, owner)
 
     def offer(self, record: PrefixRecord) -> bool:
         """:meth:`record` under the page-tier protocol's name."""

@@ -14,7 +14,10 @@ Line formats (``v`` is :data:`TRACE_VERSION`)::
     {"v":1,"ev":"record","t":..,"keys":[hex..],"tokens":[n..],"bytes":[n..],"n_tokens":n}
 
 ``bytes`` are the serialized (uncompressed) page sizes, from the payload bytes per token learned
-from the records this process captured. A record line is written for every request that wants a
+from the records this process captured. Models served from restore points (recurrent and hybrid,
+issue 46) add ``"snapshot_bytes":n`` to a record (what the point at its end stores beside its
+pages) and ``"points":true`` to a lookup (it is served only up to a page that ends at a stored
+point); both are left out otherwise, so other traces read as before. A record line is written for every request that wants a
 prefix recorded, also when L3 already holds it all (the live store then writes nothing, but a
 replay under another policy may need the pages).
 """
@@ -59,6 +62,8 @@ class LookupEvent:
     tier: str = "cold"
     prefill_s_per_token: float | None = None
     restore_s_per_byte: float | None = None
+    #: served from restore points: only up to a page that ends where a point was stored
+    points: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class RecordEvent:
     tokens: tuple[int, ...]
     bytes: tuple[int, ...]
     n_tokens: int
+    #: bytes of the restore point's snapshot at the end of the prefix (0: no restore point)
+    snapshot_bytes: int = 0
 
 
 TraceEvent = LookupEvent | RecordEvent
@@ -91,8 +98,9 @@ def page_keys(
 
 
 def _line(event: TraceEvent) -> dict[str, Any]:
+    line: dict[str, Any]
     if isinstance(event, LookupEvent):
-        return {
+        line = {
             "v": TRACE_VERSION,
             "ev": "lookup",
             "t": event.t,
@@ -104,7 +112,10 @@ def _line(event: TraceEvent) -> dict[str, Any]:
             "prefill_s_per_token": event.prefill_s_per_token,
             "restore_s_per_byte": event.restore_s_per_byte,
         }
-    return {
+        if event.points:
+            line["points"] = True
+        return line
+    line = {
         "v": TRACE_VERSION,
         "ev": "record",
         "t": event.t,
@@ -113,6 +124,9 @@ def _line(event: TraceEvent) -> dict[str, Any]:
         "bytes": list(event.bytes),
         "n_tokens": event.n_tokens,
     }
+    if event.snapshot_bytes:
+        line["snapshot_bytes"] = event.snapshot_bytes
+    return line
 
 
 def dumps(event: TraceEvent) -> str:
@@ -195,6 +209,33 @@ class TraceWriter:
             self._flush_pending()
             self._pending = (time.time(), keys, counts, point)
 
+    def point_lookup(
+        self, root: bytes, tokens: npt.NDArray[np.int32], hit_tokens: int, tier: str
+    ) -> None:
+        """Trace a lookup served from restore points (``hit_tokens``: the point's depth)."""
+        n = len(tokens) - 1  # the last prompt token is always decoded
+        keys, counts = page_keys(root, tokens, n, self.page_tokens)
+        event = LookupEvent(
+            time.time(), keys, counts, len(tokens), hit_tokens, tier, None, None, True
+        )
+        with self._lock:
+            self._flush_pending()
+            self._write(event)
+
+    def point_record(
+        self, root: bytes, tokens: npt.NDArray[np.int32], page_bytes: int, snapshot_bytes: int
+    ) -> None:
+        """Trace a restore point after ``tokens``: ``page_bytes`` in all for its pages (0 while
+        a point is stored as one whole state) and ``snapshot_bytes`` beside them."""
+        keys, counts = page_keys(root, tokens, len(tokens), self.page_tokens)
+        n = len(tokens)
+        # at least a byte a page: the policies weigh a page's benefit per byte
+        sizes = tuple(max(math.ceil(c * page_bytes / n), 1) for c in counts) if n else ()
+        event = RecordEvent(time.time(), keys, counts, sizes, n, snapshot_bytes)
+        with self._lock:
+            self._flush_pending()
+            self._write(event)
+
     def learn_payloads(self, payload_bytes: int, n_tokens: int) -> None:
         """Payload bytes of ``n_tokens`` freshly cut tokens: the bytes per token of this layout."""
         if n_tokens > 0 and payload_bytes > 0:
@@ -256,6 +297,9 @@ def parse_line(raw: str) -> TraceEvent:
         tier = obj.get("tier", "cold")
         if not isinstance(tier, str):
             raise ValueError("tier must be a string")
+        points = obj.get("points", False)
+        if not isinstance(points, bool):
+            raise ValueError("points must be true or false")
         return LookupEvent(
             t or 0.0,
             keys,
@@ -265,13 +309,14 @@ def parse_line(raw: str) -> TraceEvent:
             tier,
             _rate(obj.get("prefill_s_per_token"), "prefill_s_per_token"),
             _rate(obj.get("restore_s_per_byte"), "restore_s_per_byte"),
+            points,
         )
     if kind == "record":
         sizes = _ints(obj.get("bytes"), "bytes")
         if len(sizes) != len(keys):
             raise ValueError("keys and bytes differ in length")
-        (n,) = _ints([obj.get("n_tokens")], "n_tokens")
-        return RecordEvent(t or 0.0, keys, tokens, sizes, n)
+        (n, snapshot) = _ints([obj.get("n_tokens"), obj.get("snapshot_bytes", 0)], "counts")
+        return RecordEvent(t or 0.0, keys, tokens, sizes, n, snapshot)
     raise ValueError(f"unknown event {kind!r} (lookup or record)")
 
 

@@ -1,0 +1,258 @@
+"""Restore points on a synthetic hybrid model (issue 46): a chat and a shared document, CPU.
+
+Two workloads, each run by plain ``llama_cpp.Llama`` and by ``SkippyLlama`` (L3 on) on the same
+synthetic GGUF (``skippy_llama.testing.synthetic``, a larger shape than the tests' so prefill
+dominates as it does on real models), one thread each, greedy, outputs compared token for token
+and by first-token logits:
+
+- ``chat``: a system prompt and 8 turns. Each turn's history keeps only the second half of the
+  previous reply (as Qwen3.5's chat template drops an earlier turn's reasoning), so the next
+  prompt extends the previous *prompt* but not the live sequence: plain ``Llama`` would have to
+  roll its recurrent state back and re-evaluates the whole prompt; SkippyLlama restores the
+  point at the previous prompt's end. Reported: the total of the 8 turns, skippy ÷ plain
+  (target ≤ 0.5).
+- ``doc``: a 2,000-token document and 6 questions (prompt = document + question). Reported: the
+  TTFT of questions 2-6 ÷ plain ``Llama``'s (cold: it re-evaluates every prompt), in process
+  (restore points at multiples of 256 tokens of the document, from L1) and after a restart (a
+  new process on the same L3 directory answers questions 2-6: L3, then L1), target ≤ 0.3.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_restore_points.py --family qwen35 --rounds 3 \\
+        --out benchmarks/results/restore-points-bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from patched_common import provenance
+
+from skippy_llama import SkippyLlama
+from skippy_llama.config import Settings
+from skippy_llama.testing.synthetic import FAMILIES, Shape, write_model
+
+_quiet = llama_cpp.llama_log_callback(lambda *_: None)  # kept: llama.cpp holds the pointer
+
+#: prefill dominates a request here as on real models (the tests' default shape decodes a
+#: token in about the time it prefills a few)
+SHAPE = Shape(n_layer=8, n_embd=256, n_ff=768, n_head=4, n_head_kv=2)
+N_CTX = 4096
+SYSTEM, USER, REPLY, TURNS = 400, 40, 16, 8
+DOC, QUESTION, ANSWER, QUESTIONS = 2000, 20, 4, 6
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 400, size=n)]
+
+
+def _settings(l3: Path) -> Settings:
+    return Settings(
+        l3={"mode": "fixed", "budget": "4GiB", "directory": str(l3), "minimum_free": "1GiB"}
+    )
+
+
+def _open(path: Path, l3: Path | None) -> llama_cpp.Llama:
+    kwargs: dict[str, Any] = {
+        "n_ctx": N_CTX,
+        "n_threads": 1,
+        "n_threads_batch": 1,
+        "verbose": False,
+    }
+    if l3 is None:
+        return llama_cpp.Llama(str(path), **kwargs)
+    return SkippyLlama(str(path), cache_settings=_settings(l3), **kwargs)
+
+
+def _ask(llm: llama_cpp.Llama, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """Greedy tokens, first-token logits' digest, TTFT and total seconds."""
+    t0 = time.perf_counter()
+    tokens: list[int] = []
+    ttft = 0.0
+    first = b""
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        if not tokens:
+            ttft = time.perf_counter() - t0
+            logits = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)
+            )
+            first = logits.tobytes()
+        tokens.append(token)
+        if len(tokens) == max_tokens:
+            break
+    total = time.perf_counter() - t0
+    event = getattr(llm, "last_cache_event", None)
+    return {
+        "ttft_s": ttft,
+        "total_s": total,
+        "tokens": tokens,
+        "logits_bytes": first,
+        "tier": getattr(event, "tier", None),
+        "cached": getattr(event, "cached_tokens", None),
+    }
+
+
+def _strip(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "logits_bytes"}
+
+
+def chat(path: Path, l3: Path | None) -> dict[str, Any]:
+    llm = _open(path, l3)
+    try:
+        prompt = _tokens(SYSTEM, 1)
+        turns = []
+        t0 = time.perf_counter()
+        for i in range(TURNS):
+            prompt = prompt + _tokens(USER, 100 + i)
+            row = _ask(llm, prompt, REPLY)
+            turns.append(row)
+            # the history keeps the answer, not the reasoning (the reply's first half)
+            prompt = prompt + row["tokens"][REPLY // 2 :]
+        total = time.perf_counter() - t0
+    finally:
+        llm.close()
+    return {"total_s": total, "turns": turns}
+
+
+def doc(path: Path, l3: Path | None, questions: range) -> dict[str, Any]:
+    llm = _open(path, l3)
+    document = _tokens(DOC, 7)
+    try:
+        rows = [_ask(llm, document + _tokens(QUESTION, 200 + q), ANSWER) for q in questions]
+    finally:
+        llm.close()
+    return {"questions": list(questions), "rows": rows}
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    return all(
+        x["tokens"] == y["tokens"] and x["logits_bytes"] == y["logits_bytes"]
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _child(args: argparse.Namespace) -> None:
+    """The restart arm: a new process on the L3 directory answers the questions 2-6."""
+    llama_cpp.llama_log_set(_quiet, None)
+    result = doc(args.model, args.l3, range(1, QUESTIONS))
+    for row in result["rows"]:
+        row["logits_bytes"] = row["logits_bytes"].hex()
+    print(json.dumps(result))
+
+
+def _restart(model: Path, l3: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", "--model", str(model), "--l3", str(l3)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ),
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    for row in result["rows"]:
+        row["logits_bytes"] = bytes.fromhex(row["logits_bytes"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen35", choices=sorted(FAMILIES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--l3", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args)
+        return
+    llama_cpp.llama_log_set(_quiet, None)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-rp-"))
+    try:
+        model = write_model(scratch / f"{args.family}.gguf", args.family, shape=SHAPE)
+        probe = SkippyLlama(str(model), n_ctx=N_CTX, n_threads=1, verbose=False)
+        on = probe.restore_points is not None
+        probe.close()
+        rounds: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            l3 = scratch / f"l3-{r}"
+            plain_chat = chat(model, None)
+            skippy_chat = chat(model, l3 / "chat")
+            plain_doc = doc(model, None, range(QUESTIONS))
+            skippy_doc = doc(model, l3 / "doc", range(QUESTIONS))
+            restart = _restart(model, l3 / "doc")
+            cold = [row["ttft_s"] for row in plain_doc["rows"][1:]]
+            warm = [row["ttft_s"] for row in skippy_doc["rows"][1:]]
+            again = [row["ttft_s"] for row in restart["rows"]]
+            summary = {
+                "chat_total_ratio": skippy_chat["total_s"] / plain_chat["total_s"],
+                "doc_ttft_q2_6_ratio": sum(warm) / sum(cold),
+                "doc_ttft_q2_6_ratio_max": max(w / c for w, c in zip(warm, cold, strict=True)),
+                "restart_ttft_q2_6_ratio": sum(again) / sum(cold),
+                "restart_ttft_q2_6_ratio_max": max(a / c for a, c in zip(again, cold, strict=True)),
+                "chat_equal": _same(plain_chat["turns"], skippy_chat["turns"]),
+                "doc_equal": _same(plain_doc["rows"], skippy_doc["rows"]),
+                "restart_equal": _same(plain_doc["rows"][1:], restart["rows"]),
+            }
+            print(f"round {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+            rounds.append(
+                {
+                    "summary": summary,
+                    "chat": {
+                        "plain": {**plain_chat, "turns": [_strip(t) for t in plain_chat["turns"]]},
+                        "skippy": {
+                            **skippy_chat,
+                            "turns": [_strip(t) for t in skippy_chat["turns"]],
+                        },
+                    },
+                    "doc": {
+                        "plain": [_strip(t) for t in plain_doc["rows"]],
+                        "skippy": [_strip(t) for t in skippy_doc["rows"]],
+                        "restart": [_strip(t) for t in restart["rows"]],
+                    },
+                    "l3_bytes": sum(f.stat().st_size for f in l3.rglob("*") if f.is_file()),
+                }
+            )
+        keys = rounds[0]["summary"].keys()
+        medians = {
+            k: statistics.median(float(r["summary"][k]) for r in rounds)
+            for k in keys
+            if not k.endswith("_equal")
+        }
+        result = {
+            **provenance("bench_restore_points.py"),
+            "family": args.family,
+            "memory": FAMILIES[args.family],
+            "shape": vars(SHAPE),
+            "restore_points_on": on,
+            "workloads": {
+                "chat": {"system": SYSTEM, "user": USER, "reply": REPLY, "turns": TURNS},
+                "doc": {"doc": DOC, "question": QUESTION, "answer": ANSWER, "n": QUESTIONS},
+            },
+            "load": os.getloadavg(),
+            "medians": medians,
+            "all_equal": all(r["summary"][k] for r in rounds for k in keys if k.endswith("_equal")),
+            "rounds": rounds,
+        }
+        print(json.dumps({"medians": medians, "all_equal": result["all_equal"]}, indent=2))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Restore points beyond the process: the record format, L2 (RAM) and L3 (real diskcache
+directories), including restarts and damaged records. No model needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from skippy_llama.errors import StoreDataError
+from skippy_llama.restore_points import (
+    PointOwner,
+    RamPoints,
+    RestorePoint,
+    pack_point,
+    point_key,
+    unpack_point,
+)
+from skippy_llama.tiers.l3.schema import POINT, QUAR
+
+ROOT = b"\x01" * 16
+OWNER = PointOwner("model-id", "model-name")
+
+
+def point(n: int, size: int = 1000, seed: int = 0) -> RestorePoint:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 400, size=n).astype(np.int32)
+    return RestorePoint(tokens, rng.bytes(size))
+
+
+def test_record_round_trip_and_checks() -> None:
+    p = point(7)
+    raw = pack_point(p, ROOT)
+    key = point_key(ROOT, p.tokens)
+    back = unpack_point(raw, root=ROOT, key=key)
+    assert np.array_equal(back.tokens, p.tokens) and back.blob == p.blob
+    # another identity, another prefix, a flipped byte, a cut, a foreign header: all refused
+    with pytest.raises(StoreDataError, match="identity"):
+        unpack_point(raw, root=b"\x02" * 16, key=point_key(b"\x02" * 16, p.tokens))
+    with pytest.raises(StoreDataError, match="other tokens"):
+        unpack_point(raw, root=ROOT, key=point_key(ROOT, p.tokens[:-1]))
+    flipped = bytearray(raw)
+    flipped[-1] ^= 1
+    with pytest.raises(StoreDataError, match="digest"):
+        unpack_point(bytes(flipped), root=ROOT, key=key)
+    with pytest.raises(StoreDataError, match="length"):
+        unpack_point(raw[:-1], root=ROOT, key=key)
+    with pytest.raises(StoreDataError, match="magic"):
+        unpack_point(b"PK" + raw[2:], root=ROOT, key=key)
+    with pytest.raises(StoreDataError, match="shorter"):
+        unpack_point(raw[:10], root=ROOT, key=key)
+
+
+def test_ram_points_serve_one_root() -> None:
+    l2 = RamPoints(max_bytes=1 << 20)
+    p = point(5)
+    assert l2.put_point(ROOT, p, OWNER)
+    assert l2.point_lengths(ROOT) == [5]
+    got = l2.get_point(ROOT, p.tokens)
+    assert got is not None and got.blob == p.blob
+    assert l2.get_point(ROOT, p.tokens[:4]) is None
+    assert not l2.put_point(b"\x02" * 16, p, OWNER)  # another model's point is refused
+    assert l2.point_lengths(b"\x02" * 16) == []
+
+
+def test_l3_points_survive_a_restart(tier_at: Any, tmp_path: Path) -> None:
+    directory = tmp_path / "l3"
+    first = tier_at(directory)
+    short, long_ = point(9, seed=1), point(30, seed=2)
+    assert first.put_point(ROOT, short, OWNER)
+    assert first.put_point(ROOT, long_, OWNER)
+    first.close()
+    again = tier_at(directory)
+    assert sorted(again.point_lengths(ROOT)) == [9, 30]
+    assert again.point_lengths(b"\x02" * 16) == []
+    got = again.get_point(ROOT, long_.tokens)
+    assert got is not None and got.blob == long_.blob
+    assert again.get_point(ROOT, short.tokens[:8]) is None  # no point at 8 tokens
+    status = again.status()
+    assert status.usage.restore_points == 2
+    (entry,) = status.restore_points
+    assert entry.model_identity == "model-id" and entry.points == 2
+    assert [n for n, _ in entry.sizes] == [9, 30]
+    assert status.usage.restore_point_bytes == entry.bytes > len(short.blob) + len(long_.blob)
+    assert status.to_json()["restore_points"][0]["points"] == 2
+    assert again._parts.counters.get("point_hits") == 1
+
+
+def test_a_damaged_record_is_a_miss_quarantined_and_counted(tier_at: Any, tmp_path: Path) -> None:
+    tier = tier_at(tmp_path / "l3")
+    p = point(12)
+    assert tier.put_point(ROOT, p, OWNER)
+    store = tier._parts.rw
+    (key,) = store.keys(POINT)
+    raw = bytearray(store.get(key) or b"")
+    raw[-5] ^= 0xFF  # one flipped bit of the state
+    store.set(key, bytes(raw))
+    assert tier.get_point(ROOT, p.tokens) is None
+    assert tier._parts.counters.get("corrupt_points") == 1
+    assert tier.point_lengths(ROOT) == []  # record and metadata are gone
+    assert store.get(QUAR + key) is not None
+    # a record stored under another point's key (a swap) is refused as well
+    a, b = point(4, seed=3), point(5, seed=4)
+    tier.put_point(ROOT, a, OWNER)
+    tier.put_point(ROOT, b, OWNER)
+    key_a = next(k for k in store.keys(POINT) if int.from_bytes(k[17:21], "big") == 4)
+    key_b = next(k for k in store.keys(POINT) if int.from_bytes(k[17:21], "big") == 5)
+    store.set(key_a, store.get(key_b))
+    assert tier.get_point(ROOT, a.tokens) is None
+    assert tier._parts.counters.get("corrupt_points") == 2
+    got = tier.get_point(ROOT, b.tokens)
+    assert got is not None and got.blob == b.blob
+
+
+def test_points_stay_within_their_share_of_the_budget(tier_at: Any, tmp_path: Path) -> None:
+    # 64 MiB budget (the entry floor): points may hold 32 MiB; three of 12 MiB do not fit
+    tier = tier_at(tmp_path / "l3", budget="64MiB")
+    points = [point(10 + i, size=12 << 20, seed=i) for i in range(3)]
+    for p in points[:2]:
+        assert tier.put_point(ROOT, p, OWNER)
+    assert tier.get_point(ROOT, points[0].tokens) is not None  # the first is now most recent
+    assert tier.put_point(ROOT, points[2], OWNER)
+    assert sorted(tier.point_lengths(ROOT)) == [10, 12]
+    assert tier._parts.counters.get("points_evicted") == 1
+    # one larger than the whole share is refused, nothing evicted for it
+    assert not tier.put_point(ROOT, point(40, size=33 << 20), OWNER)
+    assert sorted(tier.point_lengths(ROOT)) == [10, 12]
+
+
+def test_clear_removes_points(tier_at: Any, tmp_path: Path) -> None:
+    tier = tier_at(tmp_path / "l3")
+    tier.put_point(ROOT, point(6), OWNER)
+    tier.clear()
+    assert tier.point_lengths(ROOT) == []
+    assert tier.status().usage.restore_points == 0
+
+
+def test_simulate_counts_snapshot_bytes_and_serves_only_at_points(tmp_path: Path) -> None:
+    from skippy_llama.tiers.l3.simulate import format_table, simulate
+    from skippy_llama.tiers.l3.trace import (
+        LookupEvent,
+        RecordEvent,
+        TraceWriter,
+        page_keys,
+        read_trace,
+    )
+
+    root = b"\x03" * 16
+    tokens = np.arange(3, 3 + 600, dtype=np.int32)
+    trace = TraceWriter(tmp_path / "trace.jsonl", page_tokens=128)
+    trace.point_lookup(root, tokens[:300], 0, "cold")
+    trace.point_record(root, tokens[:256], 0, 5000)  # a point at a page boundary
+    trace.point_record(root, tokens[:300], 0, 7000)  # a prompt end inside a page
+    trace.point_lookup(root, tokens[:400], 256, "l1")
+    trace.close()
+    events = list(read_trace(tmp_path / "trace.jsonl"))
+    assert [type(e) for e in events] == [LookupEvent, RecordEvent, RecordEvent, LookupEvent]
+    assert events[0].points and events[1].snapshot_bytes == 5000  # type: ignore[union-attr]
+    result = simulate(events, 1 << 20, "lru")
+    assert result.snapshot_bytes_written == 12000
+    # the second lookup finds the pages up to 256 (the 300-token point ends inside a page)
+    assert result.saved_tokens == 256
+    assert "snapshots" in format_table([result])
+    # a trace without points reads and replays as before: no snapshot column
+    keys, counts = page_keys(root, tokens, 256, 128)
+    plain: list[LookupEvent | RecordEvent] = [
+        RecordEvent(0.0, keys, counts, (10, 10), 256),
+        LookupEvent(0.0, keys, counts, 300),
+    ]
+    plain_result = simulate(plain, 1 << 20, "lru")
+    assert plain_result.saved_tokens == 256 and plain_result.snapshot_bytes_written == 0
+    assert "snapshots" not in format_table([plain_result])
