@@ -43,7 +43,7 @@ def _doc(n: int = 90) -> list[int]:
 def _check(path: Path, llm: Any, prompt: list[int]) -> tuple[str, int]:
     """Serve ``prompt``; assert tokens and first logits equal cold; (tier, cached tokens)."""
     tokens, logits = _greedy(llm, prompt, 5)
-    cold_tokens, cold_logits = _cold(path, prompt, 5)
+    cold_tokens, cold_logits = _cold(path, prompt, 5, n_ctx=llm.n_ctx())
     assert tokens == cold_tokens
     assert np.array_equal(logits, cold_logits)
     event = llm.last_cache_event
@@ -172,3 +172,28 @@ def test_a_new_process_restores_from_l3(synthetic_models: dict[str, Path], tmp_p
     assert (got["tier"], got["cached"]) == ("l3", 90)
     assert got["tokens"] == cold_tokens
     assert np.array_equal(np.asarray(got["logits"], dtype=np.float32), cold_logits)
+
+
+@pytest.mark.parametrize("family", ["qwen35", "mamba2"])
+def test_a_long_prompt_keeps_points_every_256_tokens(
+    family: str, synthetic_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The next question on a shared document does not extend the last prompt: it continues
+    from the deepest point of the document's prefill instead (in L3 after a restart too)."""
+    path = synthetic_models[family]
+    doc = _doc(600)
+    llm = _skippy(path, _tiers(tmp_path / "l3"), n_ctx=1024)
+    try:
+        if llm.restore_points is None:
+            assert not PATCHED
+            pytest.skip(f"{family}: restores are not exact on this build")
+        assert _check(path, llm, [*doc, 1, 2, 3]) == ("cold", 0)
+        assert _check(path, llm, [*doc, 4, 5]) == ("l1", 512)
+    finally:
+        llm.close()
+    again = _skippy(path, _tiers(tmp_path / "l3"), n_ctx=1024)
+    try:
+        assert _check(path, again, [*doc, 6]) == ("l3", 512)
+        assert _check(path, again, doc[:300]) == ("l3", 256)
+    finally:
+        again.close()

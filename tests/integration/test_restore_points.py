@@ -22,10 +22,12 @@ pytestmark = pytest.mark.model
 _FAMILIES = ("mamba2", "qwen35", "granitehybrid", "lfm2")
 
 
-def _cold(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], np.ndarray]:
+def _cold(
+    path: Path, prompt: list[int], max_tokens: int, n_ctx: int = 512
+) -> tuple[list[int], np.ndarray]:
     """Tokens and first-token logits of a fresh plain Llama (a cold prefill)."""
     llm = llama_cpp.Llama(
-        str(path), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False, logits_all=False
+        str(path), n_ctx=n_ctx, n_threads=1, n_threads_batch=1, verbose=False, logits_all=False
     )
     try:
         out = _greedy(llm, prompt, max_tokens)
@@ -51,12 +53,12 @@ def _greedy(
     return tokens, first
 
 
-def _skippy(path: Path, settings: Settings | None = None) -> SkippyLlama:
+def _skippy(path: Path, settings: Settings | None = None, n_ctx: int = 512) -> SkippyLlama:
     """A SkippyLlama on a synthetic model, one thread (a loaded machine's spinning batch
     threads made these tiny models 100x slower)."""
     return SkippyLlama(
         str(path),
-        n_ctx=512,
+        n_ctx=n_ctx,
         n_threads=1,
         n_threads_batch=1,
         verbose=False,
