@@ -160,6 +160,7 @@ def _restart(model: Path, l3: Path) -> dict[str, Any]:
         text=True,
         check=True,
         env=dict(os.environ),
+        cwd=Path.cwd(),
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     for row in result["rows"]:
