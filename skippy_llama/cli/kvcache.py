@@ -268,7 +268,9 @@ def format_status(report: dict[str, Any]) -> str:
                 f"corrupt {act['corrupt_points']}, dropped {act['points_dropped']}"
             )
             for entry in points:
-                sizes = ", ".join(f"{n} tok {human_size(b)}" for n, b in entry["sizes"])
+                shown = entry["sizes"][:8]  # all of them are in --json
+                sizes = ", ".join(f"{n} tok {human_size(b)}" for n, b in shown)
+                sizes += ", …" if len(entry["sizes"]) > len(shown) else ""
                 lines.append(
                     f"  {entry['model_identity']}  {entry['model_name']}: {entry['points']} "
                     f"points, {human_size(entry['bytes'])}: {sizes}"
