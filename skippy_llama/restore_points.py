@@ -122,6 +122,38 @@ class PointOwner:
     model_name: str = ""
 
 
+def prefill_points(start: int, end: int, every: int) -> list[int]:
+    """Where to keep restore points while prefilling tokens ``[start, end)`` (``end`` itself,
+    the prompt's end, gets its point anyway): multiples of ``every`` that are ``every`` times a
+    power of two, and the deepest multiple of ``every`` before ``end``.
+
+    Points are whole states today, so a hybrid model's point at p holds p tokens of attention
+    cells: one every ``every`` tokens would store a prompt's cells about ``end / (2 every)``
+    times over. Doubling spacing keeps that under twice the deepest point's bytes while a later
+    prompt sharing k >= ``every`` tokens still re-decodes at most half of them, and the
+    deepest point serves the next question on the same document (at most ``every - 1`` tokens
+    re-decoded).
+
+    Example:
+        >>> prefill_points(0, 2020, 256)
+        [256, 512, 1024, 1792]
+        >>> prefill_points(1792, 2040, 256)
+        []
+    """
+    if every <= 0:
+        return []
+    deepest = (end - 1) // every * every
+    out = []
+    k = every
+    while k < deepest:
+        if k > start:
+            out.append(k)
+        k *= 2
+    if deepest > start:
+        out.append(deepest)
+    return out
+
+
 class PointTier(Protocol):
     """A tier that keeps restore-point records beyond the live process's own points (L2 host
     RAM, L3 disk). Lookups never raise: a damaged record is a miss and a counter."""

@@ -33,7 +33,13 @@ import llama_cpp
 import numpy as np
 
 from ..events import CacheEvent
-from ..restore_points import PointOwner, PointTier, RestorePoint, RestorePointStore
+from ..restore_points import (
+    PointOwner,
+    PointTier,
+    RestorePoint,
+    RestorePointStore,
+    prefill_points,
+)
 from ..tiers.l3.trace import TraceWriter
 from . import native
 from .restore_probe import restores_exactly
@@ -44,11 +50,11 @@ log = logging.getLogger("skippy_llama")
 
 _WORKING_SEQ = 0
 
-#: A long prompt is prefilled in chunks ending at multiples of this many tokens, with a restore
-#: point at each chunk's end: a later prompt that shares only part of it (the next question on
-#: a shared document) continues from the deepest one instead of from nothing. Chosen, not yet
-#: derived from the cost model: at 256 a 2,000-token document leaves at most 255 tokens to
-#: re-decode, and each point costs one state capture (a whole state: the attention cells too).
+#: A long prompt is prefilled in chunks ending at restore points placed on multiples of this
+#: many tokens (:func:`skippy_llama.restore_points.prefill_points`): a later prompt that shares
+#: only part of it (the next question on a shared document) continues from the deepest one
+#: instead of from nothing. Chosen, not yet derived from the cost model: at 256 a 2,000-token
+#: document leaves at most 255 tokens to re-decode for its next question.
 POINT_EVERY = 256
 
 
@@ -151,16 +157,13 @@ class RestorePointPath:
             finished(event)
 
     def _prefill_points(self, prompt: np.ndarray[Any, np.dtype[np.int32]]) -> list[RestorePoint]:
-        """Prefill ``prompt`` from where the restore left it up to the last multiple of
-        :attr:`every` before its end, a chunk at a time, keeping a restore point at each chunk's
-        end; ``Llama.generate`` then decodes the rest. The load-time check proved a chunked
-        prefill gives the one-batch prefill's results here."""
+        """Prefill ``prompt`` from where the restore left it in chunks ending at the restore
+        points :func:`prefill_points` places, keeping a point at each; ``Llama.generate`` then
+        decodes the rest. The load-time check proved a chunked prefill gives the one-batch
+        prefill's results here."""
         llm = self.seq.llm
         taken: list[RestorePoint] = []
-        if self.every <= 0:
-            return taken
-        start = (llm.n_tokens // self.every + 1) * self.every
-        for end in range(start, len(prompt), self.every):
+        for end in prefill_points(llm.n_tokens, len(prompt), self.every):
             llama_cpp.Llama.eval(llm, prompt[llm.n_tokens : end].tolist())
             blob = bytes(native.get_seq_state(llm.ctx, _WORKING_SEQ))
             head = prompt[:end].copy()

@@ -172,3 +172,15 @@ def test_simulate_counts_snapshot_bytes_and_serves_only_at_points(tmp_path: Path
     plain_result = simulate(plain, 1 << 20, "lru")
     assert plain_result.saved_tokens == 256 and plain_result.snapshot_bytes_written == 0
     assert "snapshots" not in format_table([plain_result])
+
+
+def test_prefill_points_double_then_take_the_deepest() -> None:
+    from skippy_llama.restore_points import prefill_points
+
+    assert prefill_points(0, 2020, 256) == [256, 512, 1024, 1792]
+    assert prefill_points(0, 2049, 256) == [256, 512, 1024, 2048]
+    assert prefill_points(300, 2020, 256) == [512, 1024, 1792]  # after a restore at 300
+    assert prefill_points(1792, 2040, 256) == []  # restored at the deepest already
+    assert prefill_points(0, 256, 256) == []  # the prompt's end is not a chunk's
+    assert prefill_points(0, 257, 256) == [256]
+    assert prefill_points(0, 9000, 0) == []
