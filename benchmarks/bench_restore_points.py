@@ -43,6 +43,7 @@ from patched_common import provenance
 from skippy_llama import SkippyLlama
 from skippy_llama.config import Settings
 from skippy_llama.testing.synthetic import FAMILIES, Shape, write_model
+from skippy_llama.tiers.l3.tier import DiskTier
 
 _quiet = llama_cpp.llama_log_callback(lambda *_: None)  # kept: llama.cpp holds the pointer
 
@@ -137,6 +138,16 @@ def doc(path: Path, l3: Path | None, questions: range) -> dict[str, Any]:
     return {"questions": list(questions), "rows": rows}
 
 
+def _points(l3: Path) -> dict[str, int]:
+    """Restore points the L3 directory holds and their bytes (read-only, as kv-cache status)."""
+    tier = DiskTier(_settings(l3).l3, read_only=True, close_at_exit=False)
+    try:
+        usage = tier.status().usage
+    finally:
+        tier.close()
+    return {"points": usage.restore_points, "bytes": usage.restore_point_bytes}
+
+
 def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     return all(
         x["tokens"] == y["tokens"] and x["logits_bytes"] == y["logits_bytes"]
@@ -225,6 +236,7 @@ def main() -> None:
                         "restart": [_strip(t) for t in restart["rows"]],
                     },
                     "l3_bytes": sum(f.stat().st_size for f in l3.rglob("*") if f.is_file()),
+                    "l3_points": {"chat": _points(l3 / "chat"), "doc": _points(l3 / "doc")},
                 }
             )
         keys = rounds[0]["summary"].keys()
