@@ -31,8 +31,10 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from .errors import StoreDataError
+from .errors import StateFormatError, StoreDataError
 from .identity import chain_key
+from .state.format import parse_state
+from .state.pages import assemble, cut_pages, page_from_bytes
 
 #: Bytes all restore points of one model may hold by default (host RAM).
 DEFAULT_MAX_BYTES = 1 << 30
@@ -40,10 +42,16 @@ DEFAULT_MAX_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class RestorePoint:
-    """The whole state of a sequence holding exactly ``tokens``."""
+    """The whole state of a sequence holding exactly ``tokens``.
+
+    ``recurrent``: how many of ``blob``'s last bytes are the state that is not per token (what
+    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` writes after its 8-byte header); 0 when unknown.
+    Before them lie the attention cells, which :func:`compose_point` cuts into pages.
+    """
 
     tokens: npt.NDArray[np.int32]
     blob: bytes
+    recurrent: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -152,6 +160,142 @@ def prefill_points(start: int, end: int, every: int) -> list[int]:
     if deepest > start:
         out.append(deepest)
     return out
+
+
+#: Cell-ext bytes a hybrid model's attention cells may carry (0, or 12 for M-RoPE models such as
+#: Qwen3.5); the state does not say which, so :func:`compose_point` tries each and keeps the one
+#: whose pages rebuild the cells byte for byte.
+_EXT_BYTES = (0, 12)
+
+
+@dataclass(frozen=True)
+class ComposedPoint:
+    """A restore point as parts: attention pages (serialized, ``page_tokens`` each from
+    position 0, the last one possibly shorter), the bytes before the recurrent state when there
+    are no attention cells (``head``, else empty), and the recurrent state (``tail``)."""
+
+    pages: tuple[bytes, ...]
+    head: bytes
+    tail: bytes
+
+
+def compose_point(point: RestorePoint, page_tokens: int) -> ComposedPoint | None:
+    """``point`` as attention pages + the recurrent state after them, or None where it cannot
+    be cut (unknown split, cells out of order, an unexpected layout): the caller keeps the
+    whole state then. Checked: the pages rebuild the attention cells byte for byte."""
+    blob, recurrent = point.blob, point.recurrent
+    if recurrent <= 0 or recurrent > len(blob) - 8 or page_tokens <= 0:
+        return None
+    cut = len(blob) - recurrent
+    attention, tail = blob[:cut], blob[cut:]
+    if cut == 8:  # magic and sequence id only: a purely recurrent model
+        return ComposedPoint((), attention, tail)
+    for ext in _EXT_BYTES:
+        try:
+            state = parse_state(attention, ext)
+            if state.n_tokens != point.n_tokens:
+                continue
+            pages = tuple(page.to_bytes() for page in cut_pages(state, page_tokens))
+            if recompose_point(pages, b"", b"") == attention:
+                return ComposedPoint(pages, b"", tail)
+        except (StateFormatError, ValueError):
+            continue
+    return None
+
+
+def recompose_point(pages: Sequence[bytes], head: bytes, tail: bytes) -> bytes:
+    """The whole state :func:`compose_point` took apart.
+
+    Raises:
+        StateFormatError: a page does not parse or the pages do not fit together.
+    """
+    if not pages:
+        return head + tail
+    parsed = [page_from_bytes(page) for page in pages]
+    return bytes(assemble(parsed, parsed[0].layout)) + tail
+
+
+#: A composed record: magic, version, token count, page count, head bytes, tail bytes, xxh3_128
+#: of the identity root, xxh3_128 of the body (tokens, page references, head, tail).
+_COMPOSED_MAGIC = b"SKRC"
+_COMPOSED_HEAD = struct.Struct("<4sBxxxIIIQ16s16s")
+_REF = struct.Struct("<16s16s")  # page key, xxh3_128 of the stored page
+
+
+@dataclass(frozen=True)
+class ComposedRecord:
+    """What a composed record holds: the point's tokens, its pages as (key, digest) in order,
+    and the head and tail of :class:`ComposedPoint`."""
+
+    tokens: npt.NDArray[np.int32]
+    refs: tuple[tuple[bytes, bytes], ...]
+    head: bytes
+    tail: bytes
+
+
+def page_digest(page: bytes | memoryview) -> bytes:
+    """The digest a composed record keeps of each of its pages."""
+    return xxhash.xxh3_128_digest(page)
+
+
+def is_composed(raw: bytes | memoryview) -> bool:
+    """Whether a stored record is composed (else whole, or not a record at all)."""
+    return bytes(memoryview(raw)[:4]) == _COMPOSED_MAGIC
+
+
+def pack_composed(record: ComposedRecord, root: bytes) -> bytes:
+    """The record of a composed point under the cache identity ``root``."""
+    tokens = np.asarray(record.tokens, dtype="<i4").tobytes()
+    refs = b"".join(_REF.pack(key, digest) for key, digest in record.refs)
+    body = b"".join((tokens, refs, record.head, record.tail))
+    head = _COMPOSED_HEAD.pack(
+        _COMPOSED_MAGIC,
+        POINT_FORMAT_VERSION,
+        len(record.tokens),
+        len(record.refs),
+        len(record.head),
+        len(record.tail),
+        xxhash.xxh3_128_digest(root),
+        xxhash.xxh3_128_digest(body),
+    )
+    return head + body
+
+
+def unpack_composed(raw: bytes | memoryview, *, root: bytes, key: bytes) -> ComposedRecord:
+    """A composed record, checked as :func:`unpack_point` checks a whole one.
+
+    Raises:
+        StoreDataError: the record is damaged, foreign or not the one asked for.
+    """
+    view = memoryview(raw)
+    if len(view) < _COMPOSED_HEAD.size:
+        raise StoreDataError(f"composed restore-point record of {len(view)} bytes is too short")
+    magic, version, n_tokens, n_refs, n_head, n_tail, identity, digest = _COMPOSED_HEAD.unpack_from(
+        view
+    )
+    if magic != _COMPOSED_MAGIC:
+        raise StoreDataError("not a composed restore-point record (magic)")
+    if version != POINT_FORMAT_VERSION:
+        raise StoreDataError(
+            f"restore-point record version {version} is not {POINT_FORMAT_VERSION}"
+        )
+    if identity != xxhash.xxh3_128_digest(root):
+        raise StoreDataError("restore-point record of another cache identity")
+    size = _COMPOSED_HEAD.size + 4 * n_tokens + _REF.size * n_refs + n_head + n_tail
+    if n_tokens == 0 or len(view) != size:
+        raise StoreDataError("restore-point record length does not match its header")
+    body = view[_COMPOSED_HEAD.size :]
+    if xxhash.xxh3_128_digest(body) != digest:
+        raise StoreDataError("restore-point record digest mismatch")
+    off = 4 * n_tokens
+    tokens = np.frombuffer(bytes(body[:off]), dtype="<i4").astype(np.int32)
+    if point_key(root, tokens) != key:
+        raise StoreDataError("restore-point record holds other tokens than its key's")
+    refs = tuple(_REF.unpack_from(body, off + i * _REF.size) for i in range(n_refs))
+    off += _REF.size * n_refs
+    head = bytes(body[off : off + n_head])
+    tail = bytes(body[off + n_head :])
+    return ComposedRecord(tokens, refs, head, tail)
 
 
 class PointTier(Protocol):

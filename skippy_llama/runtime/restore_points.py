@@ -143,9 +143,9 @@ class RestorePointPath:
             event.prefill_ms = event.ttft_ms - event.restore_ms
             # the prompt is decoded and its first token sampled, not yet evaluated
             if llm.n_tokens == len(prompt):
-                blob = bytes(native.get_seq_state(llm.ctx, _WORKING_SEQ))
-                self.store.put(prompt, blob)
-                taken.append(RestorePoint(prompt, blob))
+                point = self._capture(prompt)
+                self.store.put(prompt, point.blob)
+                taken.append(point)
 
         try:
             yield from on_tokens(llama_cpp.Llama.generate(llm, tokens, *args, **kwargs), seen)
@@ -165,11 +165,20 @@ class RestorePointPath:
         taken: list[RestorePoint] = []
         for end in prefill_points(llm.n_tokens, len(prompt), self.every):
             llama_cpp.Llama.eval(llm, prompt[llm.n_tokens : end].tolist())
-            blob = bytes(native.get_seq_state(llm.ctx, _WORKING_SEQ))
-            head = prompt[:end].copy()
-            self.store.put(head, blob)
-            taken.append(RestorePoint(head, blob))
+            point = self._capture(prompt[:end].copy())
+            self.store.put(point.tokens, point.blob)
+            taken.append(point)
         return taken
+
+    def _capture(self, tokens: np.ndarray[Any, np.dtype[np.int32]]) -> RestorePoint:
+        """The working sequence's state after ``tokens``, with the size of its part that is
+        not per token (``PARTIAL_ONLY`` writes it after an 8-byte header), so L3 can keep the
+        attention cells as shared pages."""
+        ctx = self.seq.llm.ctx
+        blob = bytes(native.get_seq_state(ctx, _WORKING_SEQ))
+        partial = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        recurrent = int(llama_cpp.llama_state_seq_get_size_ext(ctx, _WORKING_SEQ, partial)) - 8
+        return RestorePoint(tokens, blob, max(recurrent, 0))
 
     def _offer(self, point: RestorePoint) -> None:
         """L3 first, then L2, which mirrors only what L3 holds."""

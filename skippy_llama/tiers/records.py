@@ -217,6 +217,7 @@ class DiskActivity(_Json):
     corrupt_points: int = 0  # restore-point records that failed verification (quarantined)
     points_evicted: int = 0  # for the restore points' share of the budget
     points_dropped: int = 0  # not written: low space, off, over the share, errors
+    point_pages_shared: int = 0  # attention pages a new point found stored by another
     damaged_manifests: int = 0  # damaged or foreign-version manifests quarantined
     damaged_costs: int = 0  # cost-book entries (or the book) failing validation or tag: ignored
     internal_errors: int = 0  # bugs in L3's own code (logged as errors): must stay 0

@@ -16,7 +16,8 @@ import pytest
 from test_restore_points import _FAMILIES, PATCHED, _cold, _greedy, _skippy
 
 from skippy_llama.config import Settings
-from skippy_llama.tiers.l3.schema import POINT
+from skippy_llama.restore_points import is_composed
+from skippy_llama.tiers.l3.schema import POINT, POINT_PAGE
 from skippy_llama.tiers.l3.tier import DiskTier
 
 pytestmark = pytest.mark.model
@@ -189,6 +190,22 @@ def test_a_long_prompt_keeps_points_every_256_tokens(
             pytest.skip(f"{family}: restores are not exact on this build")
         assert _check(path, llm, [*doc, 1, 2, 3]) == ("cold", 0)
         assert _check(path, llm, [*doc, 4, 5]) == ("l1", 512)
+        # L3 keeps the points composed: attention pages shared through the page chain (the
+        # points at 256, 512, 603 and 602 tokens run through the same first pages) + each
+        # point's recurrent state; a purely recurrent model has no pages
+        disk = llm.restore_points.tiers[-1]
+        assert isinstance(disk, DiskTier)
+        store = disk._parts.rw
+        assert all(is_composed((store.get(k) or b"")[16:]) for k in store.keys(POINT))
+        shared = disk._parts.counters.get("point_pages_shared")
+        if family == "mamba2":
+            assert store.count(POINT_PAGE) == 0 and shared == 0
+        else:
+            # pages [0, 512) once, and the two prompt ends' own partial last pages
+            assert store.count(POINT_PAGE) == 4 + 2 and shared == 2 + 4 + 4
+        status = disk.status()
+        (entry,) = status.restore_points
+        assert entry.points == 4 and entry.bytes == status.usage.restore_point_bytes
     finally:
         llm.close()
     again = _skippy(path, _tiers(tmp_path / "l3"), n_ctx=1024)

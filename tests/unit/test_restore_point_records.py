@@ -184,3 +184,93 @@ def test_prefill_points_double_then_take_the_deepest() -> None:
     assert prefill_points(0, 256, 256) == []  # the prompt's end is not a chunk's
     assert prefill_points(0, 257, 256) == [256]
     assert prefill_points(0, 9000, 0) == []
+
+
+def _hybrid(n: int, content: Any, seed: int = 0) -> RestorePoint:
+    """A point whose state is attention cells (``statefixtures``, v_trans like llama.cpp with
+    flash attention off) followed by a 300-byte recurrent part."""
+    from statefixtures import build_state
+
+    tail = np.random.default_rng(seed).bytes(300)
+    tokens = np.arange(3, 3 + n, dtype=np.int32)
+    return RestorePoint(tokens, build_state(content, n).data + tail, len(tail))
+
+
+def _content(n: int) -> Any:
+    from statefixtures import Spec, make_content
+
+    return make_content(Spec(v_trans=True), n)
+
+
+def test_compose_cuts_attention_pages_and_rebuilds_the_state() -> None:
+    from skippy_llama.restore_points import compose_point, recompose_point
+
+    p = _hybrid(300, _content(300))
+    composed = compose_point(p, 128)
+    assert composed is not None and len(composed.pages) == 3 and composed.head == b""
+    assert recompose_point(composed.pages, composed.head, composed.tail) == p.blob
+    # purely recurrent: no attention cells, the 8-byte header and the state
+    only = RestorePoint(p.tokens, p.blob[:8] + p.blob[-300:], 300)
+    whole = compose_point(only, 128)
+    assert whole is not None and whole.pages == () and len(whole.head) == 8
+    # an unknown split or a split that is not the attention section's end: not composed
+    assert compose_point(RestorePoint(p.tokens, p.blob), 128) is None
+    assert compose_point(RestorePoint(p.tokens, p.blob, 299), 128) is None
+
+
+def test_l3_composed_points_share_pages_and_evict_them_with_the_last_user(
+    tier_at: Any, tmp_path: Path
+) -> None:
+    from skippy_llama.tiers.l3.schema import POINT_PAGE
+
+    content = _content(700)
+    tier = tier_at(tmp_path / "l3")
+    short, long_ = _hybrid(300, content, 1), _hybrid(600, content, 2)
+    assert tier.put_point(ROOT, short, OWNER)
+    assert tier.put_point(ROOT, long_, OWNER)
+    store = tier._parts.rw
+    # pages [0, 256) are shared; the short point's [256, 300) and the long one's 3 more are not
+    assert store.count(POINT_PAGE) == 2 + 1 + 3
+    assert tier._parts.counters.get("point_pages_shared") == 2
+    for p in (short, long_):
+        got = tier.get_point(ROOT, p.tokens)
+        assert got is not None and got.blob == p.blob and got.recurrent == 300
+    metas = {m.n_tokens: m for m in tier._points.metas()}
+    page = metas[300].pages[0][1]  # a whole page's stored bytes (the shared ones are whole)
+    # each point is charged its record and the pages it added: the long one 3 pages, not 5
+    assert metas[600].size < metas[300].size + 3 * page + 400
+    assert tier.status().usage.restore_point_bytes == metas[300].size + metas[600].size
+    # evicting the short point keeps the shared pages (now charged to the long one)
+    with tier._parts.lock, store.transact():
+        others = {m.suffix: m for m in metas.values() if m.n_tokens == 600}
+        tier._points._remove(metas[300], others)
+    assert store.count(POINT_PAGE) == 2 + 3
+    (left,) = tier._points.metas()
+    assert left.size == metas[600].size + 2 * page
+    got = tier.get_point(ROOT, long_.tokens)
+    assert got is not None and got.blob == long_.blob
+    # a damaged shared page: the point is a miss, quarantined, its pages removed
+    key = store.keys(POINT_PAGE)[0]
+    raw = bytearray(store.get(key) or b"")
+    raw[-1] ^= 1
+    store.set(key, bytes(raw))
+    assert tier.get_point(ROOT, long_.tokens) is None
+    assert tier._parts.counters.get("corrupt_points") == 1
+    assert store.count(POINT_PAGE) == 0 and tier.point_lengths(ROOT) == []
+
+
+def test_composed_record_checks() -> None:
+    from skippy_llama.restore_points import ComposedRecord, pack_composed, unpack_composed
+
+    tokens = np.arange(5, dtype=np.int32)
+    rec = ComposedRecord(tokens, ((b"k" * 16, b"d" * 16),), b"", b"tail")
+    raw = pack_composed(rec, ROOT)
+    key = point_key(ROOT, tokens)
+    back = unpack_composed(raw, root=ROOT, key=key)
+    assert back.refs == rec.refs and back.tail == b"tail"
+    with pytest.raises(StoreDataError, match="identity"):
+        unpack_composed(raw, root=b"\x02" * 16, key=key)
+    with pytest.raises(StoreDataError, match="digest"):
+        unpack_composed(raw[:-1] + b"X", root=ROOT, key=key)
+    with pytest.raises(StoreDataError, match="length"):
+        unpack_composed(raw + b"X", root=ROOT, key=key)

@@ -1,23 +1,31 @@
-"""Restore points in L3: whole-state records of recurrent and hybrid models (issue 46).
+"""Restore points in L3: recurrent and hybrid models' prefixes (issue 46, DESIGN.md section 13).
 
-A restore point is stored as two rows under one suffix ``root[:16] + n_tokens (u32, big-endian) +
-point key``, so listing one kind's keys with the model's root gives the token counts it has
-points at, without reading a record::
+A restore point at p is stored *composed* where its state can be cut
+(:func:`skippy_llama.restore_points.compose_point`): the attention cells of [0, p) as pages of
+:data:`PAGE_TOKENS` tokens, content-addressed by their chain key and shared by every point whose
+tokens run through them, plus the recurrent state at p in the point's own record. A point costs
+its snapshot plus the pages it adds. A state that cannot be cut is stored whole. Rows, under one
+suffix ``root[:16] + n_tokens (u32, big-endian) + point key`` (listing one kind's keys with the
+model's root gives the token counts it has points at, without reading a record)::
 
-    \\x08 + suffix   the record (:func:`skippy_llama.restore_points.pack_point`) after a
-                     16-byte tag (HMAC when the store has a secret, zeros when not)
-    \\x09 + suffix   JSON {v, n_tokens, bytes, created, last_used, model_identity, model_name}:
-                     what status lists and what eviction orders by
+    \\x08 + suffix        the record (``pack_composed`` or ``pack_point``) after a 16-byte tag
+                          (HMAC when the store has a secret, zeros when not)
+    \\x09 + suffix        JSON {v, n_tokens, bytes, created, last_used, model_identity,
+                          model_name, pages: [[key, size, charged] ...]}: what status lists, what
+                          eviction orders by; ``bytes`` = the record + the pages it added
+    \\x0a + root16 + key  an attention page (tag + ``Page.to_bytes()``)
 
-A record is verified on every read (tag, header, lengths, digest, tokens against the key); one
-that fails is deleted with its metadata row, quarantined and counted (``corrupt_points``), and
-read as a miss. Points may take up to :data:`POINT_SHARE` of the L3 budget; past it the least
-recently used ones are evicted (``points_evicted``). Page eviction does not see them: a model with
-restore points has no pages (its prefixes are not pageable).
+A record is verified on every read (tag, header, lengths, digest, tokens against the key), and
+each page against the digest its record keeps; a point that fails is deleted with its metadata
+row, quarantined and counted (``corrupt_points``), and read as a miss. Points may take up to
+:data:`POINT_SHARE` of the L3 budget; past it the least recently used ones are evicted
+(``points_evicted``), with the pages no other point uses. Page eviction does not see them: a
+model with restore points has no pages of the paged cache (its prefixes are not pageable).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,10 +36,33 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ...errors import StoreDataError
-from ...restore_points import PointOwner, RestorePoint, pack_point, point_key, unpack_point
+from ...errors import StateFormatError, StoreDataError
+from ...identity import chain_key
+from ...restore_points import (
+    ComposedRecord,
+    PointOwner,
+    RestorePoint,
+    compose_point,
+    is_composed,
+    pack_composed,
+    pack_point,
+    page_digest,
+    point_key,
+    recompose_point,
+    unpack_composed,
+    unpack_point,
+)
 from .context import Parts
-from .schema import NO_TAG, POINT, POINT_META, QUAR, TAG_BYTES, dump_json, load_json
+from .schema import (
+    NO_TAG,
+    POINT,
+    POINT_META,
+    POINT_PAGE,
+    QUAR,
+    TAG_BYTES,
+    dump_json,
+    load_json,
+)
 
 log = logging.getLogger("skippy_llama.tiers.l3")
 
@@ -39,6 +70,8 @@ _META_VERSION = 1
 _ROOT_BYTES = 16
 #: The share of the L3 budget restore points may hold.
 POINT_SHARE = 0.5
+#: Tokens of an attention page of a composed point.
+PAGE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -52,6 +85,9 @@ class PointMeta:
     last_used: float
     model_identity: str
     model_name: str
+    #: the attention pages the point runs through: (key, stored bytes, whether ``size``
+    #: includes them: the point wrote them, or took them over from an evicted one)
+    pages: tuple[tuple[bytes, int, bool], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +98,7 @@ class PointMeta:
             "last_used": self.last_used,
             "model_identity": self.model_identity,
             "model_name": self.model_name,
+            "pages": [[key.hex(), size, int(owned)] for key, size, owned in self.pages],
         }
 
     @classmethod
@@ -76,6 +113,9 @@ class PointMeta:
                 last_used=float(data["last_used"]),
                 model_identity=str(data["model_identity"]),
                 model_name=str(data["model_name"]),
+                pages=tuple(
+                    (bytes.fromhex(k), int(n), bool(o)) for k, n, o in data.get("pages", [])
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreDataError(f"restore-point metadata is damaged: {exc}") from None
@@ -143,15 +183,52 @@ class Points:
                 tag, parts.signer.value(b"restore-point", suffix, record)
             ):
                 raise StoreDataError("restore-point record without a valid tag")
-            point = unpack_point(record, root=root, key=key)
+            if is_composed(record):
+                point, n_read = self._recompose(root, unpack_composed(record, root=root, key=key))
+            else:
+                point, n_read = unpack_point(record, root=root, key=key), 0
         except StoreDataError as exc:
             self._quarantine(suffix, str(exc), len(raw))
             parts.counters.add("point_misses")
             return None
+        except Exception as exc:
+            parts.health.fault(exc, "restore-point read")
+            parts.counters.add("point_misses")
+            return None
         parts.counters.add("point_hits")
-        parts.counters.add("point_bytes_read", len(raw))
+        parts.counters.add("point_bytes_read", len(raw) + n_read)
         self._touch(suffix)
         return point
+
+    def _recompose(self, root: bytes, record: ComposedRecord) -> tuple[RestorePoint, int]:
+        """The whole state of a composed record, its pages read and checked; and the page
+        bytes read. Raises StoreDataError for a missing, unauthentic or damaged page."""
+        parts = self.parts
+        assert parts.store is not None
+        pages: list[bytes] = []
+        for key, digest in record.refs:
+            row = POINT_PAGE + root[:_ROOT_BYTES] + key
+            raw = parts.store.get(row)
+            if raw is None:
+                raise StoreDataError(f"restore-point page {key.hex()} is missing")
+            tag, page = raw[:TAG_BYTES], raw[TAG_BYTES:]
+            why = None
+            if not parts.signer.verify(tag, parts.signer.value(b"restore-page", row, page)):
+                why = "without a valid tag"
+            elif page_digest(page) != digest:
+                why = "digest mismatch"
+            if why is not None:
+                if parts.rw_ok:  # every point through it would fail: take it out now
+                    with parts.lock, parts.rw.transact():
+                        parts.rw.delete(row)
+                raise StoreDataError(f"restore-point page {key.hex()} {why}")
+            pages.append(page)
+        try:
+            blob = recompose_point(pages, record.head, record.tail)
+        except StateFormatError as exc:
+            raise StoreDataError(f"restore-point pages do not fit together: {exc}") from None
+        n_read = sum(len(page) + TAG_BYTES for page in pages)
+        return RestorePoint(record.tokens, blob, len(record.tail)), n_read
 
     def put(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
         """Store ``point`` (replacing one for the same tokens), evicting the least recently used
@@ -161,29 +238,60 @@ class Points:
             parts.counters.add("points_dropped")
             return False
         suffix = _suffix(root, point.n_tokens, point_key(root, point.tokens))
-        record = pack_point(point, root)
+        composed = compose_point(point, PAGE_TOKENS)
+        rows: list[tuple[bytes, bytes]] = []  # (row key, stored value) of each page
+        if composed is None:
+            record = pack_point(point, root)
+        else:
+            refs = []
+            parent = root
+            for i, page in enumerate(composed.pages):
+                end = min((i + 1) * PAGE_TOKENS, point.n_tokens)
+                parent = chain_key(parent, point.tokens[i * PAGE_TOKENS : end])
+                row = POINT_PAGE + root[:_ROOT_BYTES] + parent
+                tag = parts.signer.value(b"restore-page", row, page)
+                rows.append((row, (tag if parts.signer.enabled else NO_TAG) + page))
+                refs.append((parent, page_digest(page)))
+            record = pack_composed(
+                ComposedRecord(point.tokens, tuple(refs), composed.head, composed.tail), root
+            )
         tag = parts.signer.value(b"restore-point", suffix, record)
         value = (tag if parts.signer.enabled else NO_TAG) + record
-        now = time.time()
-        meta = PointMeta(
-            suffix, point.n_tokens, len(value), now, now, owner.model_identity, owner.model_name
-        )
         cap = int(parts.health.budget_bytes() * POINT_SHARE)
-        if len(value) > cap:
+        if len(value) + sum(len(v) for _, v in rows) > cap:
             parts.counters.add("points_dropped")
             return False
         store = parts.rw
         try:
             with parts.lock, store.transact():
-                self._evict(cap - len(value), keep=suffix)
+                added = [(row, v) for row, v in rows if not store.contains(row)]
+                size = len(value) + sum(len(v) for _, v in added)
+                new = {row for row, _ in added}
+                pages = tuple((row[1 + _ROOT_BYTES :], len(v), row in new) for row, v in rows)
+                self._evict(cap - size, keep=suffix)
+                for row, v in added:
+                    store.set(row, v)
                 store.set(POINT + suffix, value)
+                now = time.time()
+                meta = PointMeta(
+                    suffix,
+                    point.n_tokens,
+                    size,
+                    now,
+                    now,
+                    owner.model_identity,
+                    owner.model_name,
+                    pages,
+                )
                 store.set(POINT_META + suffix, dump_json(meta.to_json()))
         except Exception as exc:
             parts.health.fault(exc, "restore-point write")
             parts.counters.add("points_dropped")
             return False
         parts.counters.add("point_writes")
-        parts.counters.add("point_bytes_written", len(value))
+        parts.counters.add("point_bytes_written", size)
+        if composed is not None:
+            parts.counters.add("point_pages_shared", len(rows) - len(added))
         return True
 
     def metas(self) -> list[PointMeta]:
@@ -209,22 +317,49 @@ class Points:
             keys = store.keys(POINT)
             for key in keys:
                 store.delete(key)
-            for key in store.keys(POINT_META):
-                store.delete(key)
+            for kind in (POINT_META, POINT_PAGE):
+                for key in store.keys(kind):
+                    store.delete(key)
         return len(keys)
 
     def _evict(self, room: int, keep: bytes) -> None:
         """Drop least recently used points until the others take at most ``room`` bytes."""
-        metas = sorted((m for m in self.metas() if m.suffix != keep), key=lambda m: m.last_used)
-        used = sum(m.size for m in metas)
-        store = self.parts.rw
-        for meta in metas:
+        metas = {m.suffix: m for m in self.metas() if m.suffix != keep}
+        used = sum(m.size for m in metas.values())
+        for meta in sorted(metas.values(), key=lambda m: m.last_used):
             if used <= room:
                 break
-            store.delete(POINT + meta.suffix)
-            store.delete(POINT_META + meta.suffix)
-            used -= meta.size
+            del metas[meta.suffix]
+            used -= self._remove(meta, metas)
             self.parts.counters.add("points_evicted")
+
+    def _remove(self, meta: PointMeta, others: dict[bytes, PointMeta]) -> int:
+        """Delete a point's rows and the pages no point in ``others`` uses; a page it was
+        charged for that another point still uses moves to that point's charge. Returns the
+        bytes the total charge drops by."""
+        store = self.parts.rw
+        store.delete(POINT + meta.suffix)
+        store.delete(POINT_META + meta.suffix)
+        freed = meta.size
+        root = meta.suffix[:_ROOT_BYTES]
+        for key, size, owned in meta.pages:
+            user = next(
+                (
+                    m
+                    for m in others.values()
+                    if m.suffix[:_ROOT_BYTES] == root and any(k == key for k, _, _ in m.pages)
+                ),
+                None,
+            )
+            if user is None:
+                store.delete(POINT_PAGE + root + key)
+            elif owned:
+                pages = tuple((k, n, o or k == key) for k, n, o in user.pages)
+                moved = dataclasses.replace(user, size=user.size + size, pages=pages)
+                others[user.suffix] = moved
+                store.set(POINT_META + user.suffix, dump_json(moved.to_json()))
+                freed -= size
+        return freed
 
     def _touch(self, suffix: bytes) -> None:
         parts = self.parts
@@ -247,11 +382,17 @@ class Points:
         log.warning("L3 restore point quarantined: %s", reason)
         if not parts.rw_ok:
             return
+        store = parts.rw
         try:
-            with parts.lock, parts.rw.transact():
-                parts.rw.delete(POINT + suffix)
-                parts.rw.delete(POINT_META + suffix)
+            with parts.lock, store.transact():
+                metas = {m.suffix: m for m in self.metas()}
+                meta = metas.pop(suffix, None)
+                if meta is not None:
+                    self._remove(meta, metas)  # and the pages only it used
+                else:
+                    store.delete(POINT + suffix)
+                    store.delete(POINT_META + suffix)
                 record = {"reason": reason, "at": time.time(), "pid": os.getpid(), "size": size}
-                parts.rw.set(QUAR + POINT + suffix, dump_json(record))
+                store.set(QUAR + POINT + suffix, dump_json(record))
         except Exception as exc:
             parts.health.fault(exc, "restore-point quarantine")

@@ -11,6 +11,9 @@ each kind is one contiguous key range that can be listed without touching the ot
     \\x05 + parent     child index (:func:`pack_children`): the pages stored after a node
     \\x06 + page key   page metadata (:class:`PageMeta`, binary, versioned)
     \\x07 + page key   page payload: the stored bytes (never pickled)
+    \\x08 + point      restore-point record (``points.py``: recurrent and hybrid models)
+    \\x09 + point      restore-point metadata: JSON
+    \\x0a + page       attention page of composed restore points
 
 Everything read from a store is input: each parser checks types, lengths and versions and raises
 :class:`~skippy_llama.errors.StoreDataError` for anything damaged or foreign, so callers turn a bad
@@ -39,7 +42,8 @@ META = b"\x06"
 DATA = b"\x07"
 POINT = b"\x08"
 POINT_META = b"\x09"
-KINDS = (PIN, QUAR, INFO, MAN, KIDS, META, DATA, POINT, POINT_META)
+POINT_PAGE = b"\x0a"
+KINDS = (PIN, QUAR, INFO, MAN, KIDS, META, DATA, POINT, POINT_META, POINT_PAGE)
 ACTIVITY = INFO + b"activity"
 RECONCILIATION = INFO + b"reconciliation"
 RECONCILER = INFO + b"reconciler"  # lease + cursor of the reconciliation in progress

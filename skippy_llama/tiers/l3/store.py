@@ -303,7 +303,7 @@ class _Rows:
 
     def unknown_keys(self) -> int:
         """Rows of no kind L3 writes (another program's data, or planted): reported, not read."""
-        lo, hi = kind_range(b"\x01")[0], b"\x0a"
+        lo, hi = kind_range(b"\x01")[0], b"\x0b"
         rows = self._execute(
             "SELECT COUNT(*) FROM Cache WHERE NOT (raw = 1 AND typeof(key) = 'blob' "
             "AND key >= ? AND key < ?)",
