@@ -440,3 +440,32 @@ def test_flipped_byte_is_quarantined_and_reported(tmp_path: Path) -> None:
     assert again["quarantined"] == 1
     assert again["read"] == [1]
     assert status_json(store)["usage"]["quarantined"] == 1
+
+
+def test_status_lists_restore_points_per_model(tmp_path: Path, home: dict[str, str]) -> None:
+    """Restore points (recurrent and hybrid models) are listed with each point's length and
+    bytes, in JSON and in text."""
+    import numpy as np
+
+    from skippy_llama.restore_points import PointOwner, RestorePoint
+
+    directory = tmp_path / "l3"
+    settings = L3Settings(
+        mode="fixed", budget="1GiB", directory=directory, minimum_free="1GiB", compression="none"
+    )
+    tier = DiskTier(settings, close_at_exit=False)
+    owner = PointOwner("model-a", "Hybrid A")
+    for n in (90, 300):
+        tokens = np.arange(3, 3 + n, dtype=np.int32)
+        assert tier.put_point(b"\0" * 16, RestorePoint(tokens, bytes(5000 + n)), owner)
+    tier.close()
+    report = status_json(directory, environ=home)
+    (entry,) = report["restore_points"]
+    assert entry["model_identity"] == "model-a" and entry["points"] == 2
+    assert [n for n, _ in entry["sizes"]] == [90, 300]
+    assert report["usage"]["restore_points"] == 2
+    assert report["usage"]["restore_point_bytes"] == entry["bytes"] > 10_000
+    text = cli("kv-cache", "status", *flags(directory), environ=home)
+    assert text.returncode == 0, text.stderr
+    assert "restore points (recurrent and hybrid models): 2" in text.stdout
+    assert "Hybrid A: 2 points" in text.stdout
