@@ -480,8 +480,12 @@ class SkippyLlama(llama_cpp.Llama):
             resident.clear()
 
     def cache_status(self) -> dict[str, Any]:
-        """In-process cache state: L1 memory and counters (what ``kv-cache status`` cannot see)."""
-        return cache_status(self.working, self.prefix_cache, self.l1_budget_tokens)
+        """In-process cache state: L1 memory and counters (what ``kv-cache status`` cannot see),
+        and the restore points held in memory (recurrent and hybrid models)."""
+        status = cache_status(self.working, self.prefix_cache, self.l1_budget_tokens)
+        if self.restore_points is not None:
+            status["restore_points"] = self.restore_points.status()
+        return status
 
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Make a waiting L3 record now and wait until the record-taking tiers stored it.

@@ -14,10 +14,10 @@ which need not equal a batched prefill's results, so every request starts from a
 from nothing.
 
 Beyond the process's own points (L1 here: host memory on the CPU) a point is kept in the tiers
-of :func:`skippy_llama.tiers.factory.build_point_tiers`: L2 (host RAM, a mirror of L3) and L3
-(disk, survives a restart). Each keeps the whole state as one verified record keyed by the chain
-key of the point's tokens under the cache identity (a first step: the composed form, attention
-pages + a snapshot of the recurrent state, was proven exact by the probe but is not stored yet).
+of :func:`skippy_llama.tiers.factory.build_point_tiers`: L2 (host RAM, a mirror of L3, whole
+states) and L3 (disk, survives a restart), which keeps a point composed: its attention cells as
+pages shared with every point through them, plus the state that is not per token
+(``tiers/l3/points.py``), all keyed by chain keys under the cache identity and verified on read.
 The lookup restores the deepest point, in any tier, that the prompt extends; a point served by
 L3 is copied into L2 and L1.
 """
@@ -184,8 +184,9 @@ class RestorePointPath:
         """L3 first, then L2, which mirrors only what L3 holds."""
         stored = False
         root = self.store.root
-        if self.trace is not None:  # stored as one whole state: no pages apart from it
-            self.trace.point_record(root, point.tokens, 0, len(point.blob))
+        if self.trace is not None:  # pages (shared in L3) + the snapshot beside them
+            snapshot = point.recurrent or len(point.blob)
+            self.trace.point_record(root, point.tokens, len(point.blob) - snapshot, snapshot)
         for tier in reversed(self.tiers):
             if tier.name == "l3":
                 stored = tier.put_point(root, point, self.owner)

@@ -102,6 +102,8 @@ def test_l2_serves_after_l1_drops_its_points(
         points.tiers[0].clear()  # type: ignore[attr-defined]
         assert _check(path, llm, [*doc, 4]) == ("l3", 90)
         assert _check(path, llm, [*doc, 4, 5]) == ("l1", 91)
+        memory = llm.cache_status()["restore_points"]
+        assert memory["l1"]["points"] == 3 and memory["l2"]["bytes"] > 0
     finally:
         llm.close()
 

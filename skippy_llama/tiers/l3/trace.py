@@ -225,8 +225,8 @@ class TraceWriter:
     def point_record(
         self, root: bytes, tokens: npt.NDArray[np.int32], page_bytes: int, snapshot_bytes: int
     ) -> None:
-        """Trace a restore point after ``tokens``: ``page_bytes`` in all for its pages (0 while
-        a point is stored as one whole state) and ``snapshot_bytes`` beside them."""
+        """Trace a restore point after ``tokens``: ``page_bytes`` in all for its attention pages
+        (0 when it is kept whole) and ``snapshot_bytes`` beside them."""
         keys, counts = page_keys(root, tokens, len(tokens), self.page_tokens)
         n = len(tokens)
         # at least a byte a page: the policies weigh a page's benefit per byte
