@@ -92,6 +92,7 @@ _EXAMPLES = {
     "remote.ttl": "604800 (seconds; none: keys never expire)",
     "remote.breaker_failures": "3",
     "remote.breaker_backoff_s": "10",
+    "remote.codec": "'native' (default) or 'cachegen'",
 }
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -345,6 +346,18 @@ class RemoteSettings(BaseModel):
         gt=0,
         le=3600,
         description="how long the tier stays off after breaker_failures (doubles while it fails)",
+    )
+    codec: PageCodec = Field(
+        "native",
+        description=(
+            "codec of the pages sent to and read from the server: native (exact pages, the "
+            "default) or cachegen (experimental, lossy: about 0.2-0.5 of the bytes on the network, "
+            "but a restore is no longer bit-identical to a cold prefill). Used only for a model, "
+            "K/V layout and backend with a passing 'cachegen' row in the roster "
+            "(scripts/certify.py --cachegen); elsewhere pages stay native (logged once). It makes "
+            "the instance's cache identity a lossy one, which exact instances never read; L3 "
+            "keeps storing pages with l3.codec"
+        ),
     )
 
     @field_validator("namespace")

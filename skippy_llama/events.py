@@ -32,7 +32,7 @@ class CacheEvent:
             None when nothing was cut or it was parked.
         lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
         fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
-        codec: the page codec of the pages an ``l2``/``l3`` hit restored: ``native`` (exact)
+        codec: the codec of the cache identity whose pages a hit restored: ``native`` (exact)
             or ``cachegen/<version>`` (lossy: the restored cells are not bit-identical to a
             cold prefill's); the cache identity's ``codec_name``.
     """

@@ -108,6 +108,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         help="expiry of remote keys, refreshed on every push (default none)",
     )
     group.add_argument(
+        "--remote-codec",
+        choices=("native", "cachegen"),
+        default=None,
+        help="codec of the pages sent to and read from the remote server: native (exact, the "
+        "default) or cachegen (experimental, lossy: a fraction of the bytes on the network; used "
+        "only where the roster qualifies the model and K/V layout)",
+    )
+    group.add_argument(
         "--repair-generated",
         choices=("auto", "always", "never"),
         default=None,
@@ -133,6 +141,7 @@ _FLAG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("remote_timeout_ms", ("remote", "timeout_ms")),
     ("remote_namespace", ("remote", "namespace")),
     ("remote_ttl", ("remote", "ttl")),
+    ("remote_codec", ("remote", "codec")),
 )
 
 

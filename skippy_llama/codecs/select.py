@@ -1,10 +1,13 @@
 """Which codec pages of a cache identity are stored with: chosen once, when the identity is built.
 
-The identity builder (``runtime/identity_params.py``) decides, from ``l3.codec`` and the roster's
-``cachegen`` row for the model, K/V layout and backend, whether an identity's pages are CacheGen
-pages, puts the codec and its parameters into the identity, and registers the choice here under
-the identity's hex; the L3 writer looks it up by the record's identity. So the codec follows from
-the identity (one identity, one codec): a page key names exact or lossy bytes, never both.
+The identity builder (``runtime/identity_params.py``) decides, from ``l3.codec``,
+``remote.codec`` and the roster's ``cachegen`` row for the model, K/V layout and backend, whether
+an identity is a lossy one, puts the codec and its parameters into the identity, and registers
+the choice here under the identity's hex; the L3 writer looks it up by the record's identity and
+codes with it where its own ``l3.codec`` is cachegen (the remote tier is handed the parameters
+when it is built). So the codec follows from the identity (one identity, one codec): a page key
+names exact bytes or bytes of one lossy codec's values, never both; under a lossy identity a tier
+may still store its pages losslessly (the values already went through the codec somewhere).
 
 An identity with no registered choice (a tier used on its own, a process that built no identity)
 stores native pages.

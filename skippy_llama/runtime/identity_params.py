@@ -325,12 +325,13 @@ def build_identity(
     ``split_dependent``: the model's prefill depends on the batch split on this CPU build
     (see :class:`Conditions`), so ``n_batch`` and ``n_ubatch`` name its pages.
 
-    The GGUF (and any LoRA adapter) is hashed only when L3 is on — L2 mirrors L3 and needs it
-    too; L1 alone gets a per-process digest. The hash is memoized across processes and shows
+    The GGUF (and any LoRA adapter) is hashed only when L3 or the remote tier is on — L2 mirrors
+    L3 and needs it too; L1 alone gets a per-process digest. The hash is memoized across processes and shows
     progress on stderr for files of 1 GiB or more.
     """
     model = llm._model.model
-    durable = settings.l3.mode != "off"
+    # the remote tier outlives the process too: a per-process digest would never match there
+    durable = settings.l3.mode != "off" or settings.remote.enabled
     backend = native.backend_name()
     gpu = backend != "CPU"
     p = llm.context_params
@@ -401,25 +402,37 @@ def build_identity(
 def codec_choice(
     settings: Settings, model_digest: str, backend: str, kv_layout: Any
 ) -> CacheGenParams | None:
-    """The CacheGen parameters L3 stores this model's pages with, or None for native pages.
+    """The CacheGen parameters of this instance's cache identity, or None for an exact one.
 
-    Only with ``l3.codec = "cachegen"`` and a passing ``cachegen`` row in the roster for this
-    model file, backend and K/V layout (``scripts/certify.py --cachegen``); otherwise pages stay
-    native, logged once per model and layout (the writer counts them, ``codec_unqualified``).
-    The runtime never guesses parameters.
+    Asked for by ``l3.codec = "cachegen"`` (L3 stores CacheGen pages) or, with a remote tier,
+    ``remote.codec = "cachegen"`` (pages travel to and from the server as CacheGen pages); either
+    makes the identity a lossy one, distinct from the exact identity of the same model, so exact
+    instances never read its pages on any tier. Granted only with a passing ``cachegen`` row in
+    the roster for this model file, backend and K/V layout (``scripts/certify.py --cachegen``);
+    otherwise the identity stays exact, logged once per model and layout (the L3 writer counts
+    ``codec_unqualified``). The runtime never guesses parameters.
 
     Raises:
-        ConfigError: ``l3.codec`` is cachegen but the ``cachegen`` extra is not installed.
+        ConfigError: a codec setting is cachegen but the ``cachegen`` extra is not installed.
     """
-    if settings.l3.codec != "cachegen":
+    wanted = [
+        name
+        for name, asked in (
+            ("l3.codec", settings.l3.codec == "cachegen"),
+            ("remote.codec", settings.remote.enabled and settings.remote.codec == "cachegen"),
+        )
+        if asked
+    ]
+    if not wanted:
         return None
     try:
         import zstandard  # noqa: F401
     except ImportError:
         raise ConfigError(
-            "invalid setting l3.codec = 'cachegen': the codec needs the cachegen extra "
-            "(pip install 'skippy-llama[cachegen]'); or set l3.codec = 'native'"
+            f"invalid setting {wanted[0]} = 'cachegen': the codec needs the cachegen extra "
+            f"(pip install 'skippy-llama[cachegen]'); or set {wanted[0]} = 'native'"
         ) from None
+    asked_by = " and ".join(wanted)
     layout = kv_layout.digest() if kv_layout is not None else "none"
     why = f"no cachegen row for model {model_digest}, backend {backend}, layout {layout}"
     try:
@@ -438,18 +451,20 @@ def codec_choice(
     if params is None:
         select.warn_once(
             f"unqualified:{model_digest}:{backend}:{layout}",
-            "skippy-llama: l3.codec is cachegen, but this model and K/V layout are not qualified "
-            "(%s); storing native pages",
+            "skippy-llama: %s is cachegen, but this model and K/V layout are not qualified "
+            "(%s); pages stay native",
+            asked_by,
             why,
         )
         return None
     assert row is not None
     select.warn_once(
         f"cachegen:{model_digest}:{backend}:{layout}",
-        "skippy-llama: L3 stores CacheGen pages (%s): lossy, restores are not bit-identical to "
+        "skippy-llama: CacheGen pages (%s, for %s): lossy, restores are not bit-identical to "
         "a cold prefill (qualified teacher-forced: next-token argmax agrees at %.2f%% of "
         "positions, mean KL %.4f nats, perplexity %+.2f%%, size %.3f of native)",
         params.describe(),
+        asked_by,
         100 * float(row.measured.get("argmax_agree", 0.0)),
         float(row.measured.get("mean_kl", 0.0)),
         100 * float(row.measured.get("ppl_rise", 0.0)),

@@ -124,10 +124,14 @@ def _remote(context: TierContext, disk: DiskTier | None) -> Tier | None:
     settings = context.settings.remote
     if not settings.enabled or not context.pageable:
         return None
+    from ..codecs.cachegen import CacheGenParams
     from .remote.store import RemoteStore  # the optional `remote` extra (redis)
     from .remote.tier import RemoteTier
 
-    store = RemoteStore(settings, identity=context.identity.root)
+    codec = context.identity.codec
+    # a lossy identity (l3.codec or remote.codec qualified CacheGen): its pages may travel coded
+    lossy = CacheGenParams.from_identity(dict(codec)) if codec else None
+    store = RemoteStore(settings, identity=context.identity.root, lossy=lossy)
     load = None
     if disk is not None:
 

@@ -10,7 +10,7 @@ pages are pinned, then metadata, child index and manifest land in one transactio
 
 Pages are encoded here, on the writer thread, never on the request path: with the codec the
 record's identity was registered with (``codecs.select``: CacheGen where the roster qualifies
-the model and layout), else losslessly. ``l3.codec = "cachegen"`` for an identity without a
+the model and layout) where ``l3.codec`` is cachegen, else losslessly. ``l3.codec = "cachegen"`` for an identity without a
 qualified codec, or a page CacheGen does not code, stores native and counts
 ``codec_unqualified``; ``encode_us`` and ``encoded_bytes`` total the encoding work.
 """
@@ -66,7 +66,10 @@ class Recorder:
         counters = self.parts.counters
         settings = self.parts.settings
         started = time.perf_counter()
-        params = select.cachegen_params(rec.cache_identity)
+        # a lossy identity (remote.codec) may still store its L3 pages losslessly
+        params = (
+            select.cachegen_params(rec.cache_identity) if settings.codec == "cachegen" else None
+        )
         out: bytes | None = None
         if params is not None:
             try:

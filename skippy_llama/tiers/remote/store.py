@@ -17,6 +17,13 @@ page, a value that does not verify are misses and counters, never exceptions. Af
 back-off. A bug in this module's own code is logged as an error and counted
 (``internal_errors``), and fails open too.
 
+Page codec (``remote.codec``): under a lossy cache identity (one whose roster row qualified
+CacheGen, see ``runtime/identity_params.py``) a store built with ``lossy`` parameters sends
+CacheGen pages when ``remote.codec`` is cachegen (coding L3's lossless pages on the writer thread,
+or sending L3's CacheGen pages as they are) and reads CacheGen or native pages back. A store of
+an exact identity never decodes a CacheGen page: one found under its keys is a miss
+(``bad_values.codec_mismatch``) and is deleted, so an exact instance never restores lossy values.
+
 Fail-closed for configuration: no ``remote.secret_file``, or one that is not a private secret,
 is a :class:`~skippy_llama.errors.ConfigError` naming the setting.
 """
@@ -35,7 +42,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from ...codecs import decode
+from ...codecs import cachegen, decode, encode
+from ...codecs.cachegen import CacheGenParams
 from ...config import RemoteSettings, redact_url
 from ...errors import ConfigError, StateFormatError, UnknownCodecError
 from ...parallel import submit
@@ -89,6 +97,9 @@ class RemoteStore:
             :meth:`fetch` look under when not given one; an instance serves one identity.
         client: a ready client (tests); default: one for ``settings.url``.
         clock: monotonic clock of the breaker (tests).
+        lossy: the CacheGen parameters of the cache identity, None for an exact identity (see
+            the module docstring): with them the store reads CacheGen pages, and sends them
+            when ``settings.codec`` is cachegen.
 
     Raises:
         ConfigError: ``remote.url`` or ``remote.secret_file`` is not set, or the secret file is
@@ -102,6 +113,7 @@ class RemoteStore:
         identity: bytes | None = None,
         client: redis.Redis | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lossy: CacheGenParams | None = None,
     ) -> None:
         if settings.url is None:
             raise ConfigError("invalid setting remote.url: not set, so there is no remote tier")
@@ -123,6 +135,9 @@ class RemoteStore:
         self._failures: Counter[str] = Counter()
         self._bad: Counter[str] = Counter()
         self._closed = False
+        self._lossy = lossy
+        #: what pushes code pages with (None: native pages, as L3 stored them losslessly)
+        self._push_params = lossy if settings.codec == "cachegen" else None
         self._admin = Admin(self._client, self.keys, self._signer, settings, self._bad_value)
 
     @classmethod
@@ -297,7 +312,7 @@ class RemoteStore:
             return []
         ident = self._ident(root)
         self._add("fetches")
-        checks: list[tuple[bytes, int, Future[bytes | tuple[str, bool]]]] = []
+        checks: list[tuple[bytes, int, bool, Future[bytes | tuple[str, bool]]]] = []
         for start in range(0, len(keys), FETCH_BATCH_PAGES):
             names = [self.keys.page(ident, key) for key in keys[start : start + FETCH_BATCH_PAGES]]
             values = self._run("fetch", functools.partial(self._each, "get", names))
@@ -305,11 +320,13 @@ class RemoteStore:
                 break
             for name, value in zip(names, values, strict=True):
                 size = len(value) if isinstance(value, bytes) else 0
-                checks.append((name, size, submit(self._check_page, name, value)))
+                lossy = size > codec.HEADER_BYTES and _is_cachegen(value)
+                checks.append((name, size, lossy, submit(self._check_page, name, value)))
             if any(value is None for value in values):
                 break  # evicted since match: the pages after it cannot be used
         out: list[bytes] = []
-        for name, size, check in checks:
+        lossy_pages = 0
+        for name, size, lossy, check in checks:
             page = check.result()
             if isinstance(page, tuple):
                 reason, drop = page
@@ -318,10 +335,12 @@ class RemoteStore:
                     self._drop(name)
                 break
             out.append(page)
+            lossy_pages += lossy
             self._add("bytes_in", size)
-        for _, _, check in checks[len(out) :]:
+        for *_, check in checks[len(out) :]:
             check.result()  # none runs on once the restore moves on
         self._add("pages_fetched", len(out))
+        self._add("cachegen_pages_fetched", lossy_pages)
         return out
 
     def _check_page(self, name: bytes, value: Any) -> bytes | tuple[str, bool]:
@@ -333,7 +352,12 @@ class RemoteStore:
             return "foreign", True
         try:
             frame = codec.unpack(self._signer, name, codec.KIND_PAGE, value)
-            page = decode(frame.body, frame.n_tokens)
+            if cachegen.codec_of(frame.body) is not None:
+                if self._lossy is None:
+                    return "codec_mismatch", True  # an exact identity never reads lossy values
+                page: bytes | bytearray | memoryview = cachegen.decode(frame.body, frame.n_tokens)
+            else:
+                page = decode(frame.body, frame.n_tokens)
         except codec.FrameError as exc:
             return exc.reason, True
         except UnknownCodecError:
@@ -402,6 +426,8 @@ class RemoteStore:
                 sizes.append(int(length) - codec.HEADER_BYTES)
                 continue
             body = self._page_body(page, stored, load)
+            if body is not None:
+                body = self._wire(body, page.n_tokens)
             if body is None:
                 self._add("pages_without_bytes")
                 break
@@ -478,6 +504,27 @@ class RemoteStore:
             return None if data is None else bytes(data)
         return None
 
+    def _wire(self, body: bytes, n_tokens: int) -> bytes | None:
+        """The bytes to send for a page L3 stored as ``body``, in this store's codec (see the
+        module docstring); None when they cannot be made (counted; the push ends there)."""
+        lossy_body = cachegen.codec_of(body) is not None
+        try:
+            if self._push_params is not None:
+                if lossy_body:
+                    return body  # L3 coded it with the identity's parameters already
+                coded = cachegen.encode(decode(body, n_tokens), self._push_params)
+                self._add("cachegen_pages_sent")
+                return coded
+            if lossy_body:
+                # L3 keeps CacheGen pages, the server native ones: their decoded (lossy) values
+                return encode(bytes(cachegen.decode(body, n_tokens)), "zstd")
+        except cachegen.CodecUnsupportedError:
+            self._add("codec_unsupported")  # a page CacheGen does not code: sent native
+        except (StateFormatError, UnknownCodecError) as exc:
+            log.warning("remote tier: a page L3 stored does not decode (%s); not pushed", exc)
+            return None
+        return body
+
     def _send(self, items: list[tuple[bytes, bytes]]) -> tuple[int, int, bool]:
         """SET ``items`` in pipelined batches: (values stored, their bytes, no failure)."""
         ttl = self.settings.ttl
@@ -518,7 +565,8 @@ class RemoteStore:
                 "bytes_in", "pushes", "pages_sent", "pages_present", "bytes_out",
                 "manifests_sent", "manifests_present", "manifest_bytes_out", "children_indexed",
                 "pages_without_bytes", "skipped_breaker_open", "skipped_writes_suspended",
-                "bad_values_deleted", "internal_errors",
+                "bad_values_deleted", "internal_errors", "cachegen_pages_sent",
+                "cachegen_pages_fetched", "codec_unsupported",
             )
         }  # fmt: skip
         assert self.settings.url is not None
@@ -529,6 +577,11 @@ class RemoteStore:
             "secret_id": self.keys.secret,
             "ttl": self.settings.ttl,
             "timeout_ms": self.settings.timeout_ms,
+            "codec": {
+                "configured": self.settings.codec,
+                "identity": self._lossy.describe() if self._lossy is not None else "native",
+                "sends": "cachegen" if self._push_params is not None else "native",
+            },
             "breaker": asdict(breaker),
             "writes": asdict(writes),
             "activity": activity,
@@ -576,6 +629,11 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_cachegen(value: bytes) -> bool:
+    """Whether a page frame's body is a CacheGen payload (its magic; nothing verified)."""
+    return cachegen.codec_of(memoryview(value)[codec.HEADER_BYTES :]) is not None
 
 
 def _set_all(items: list[tuple[bytes, bytes]], ttl: int | None, pipe: Any) -> None:
