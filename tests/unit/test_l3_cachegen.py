@@ -232,6 +232,46 @@ def test_codec_choice_follows_the_roster(monkeypatch: pytest.MonkeyPatch) -> Non
     assert choice(cachegen_on, digest, "CPU", _Layout()) is None
 
 
+def test_remote_codec_makes_the_identity_lossy_only_with_a_remote_tier(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """remote.codec asks for the same row as l3.codec; without remote.url it asks for nothing."""
+    from skippy_llama.config import Settings
+    from skippy_llama.roster import Recipe, Roster
+    from skippy_llama.runtime import identity_params
+
+    roster = Roster(Recipe("0.3.36", "x", 1, "q"), (), (_row(PARAMS),))
+    monkeypatch.setattr(identity_params, "load_roster", lambda: roster)
+    secret = tmp_path / "remote.key"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    remote = {"url": "redis://127.0.0.1:1/0", "secret_file": str(secret), "codec": "cachegen"}
+    digest = "xxh3:" + "d" * 32
+    choice = identity_params.codec_choice
+    assert choice(Settings(remote=remote), digest, "CPU", _Layout()) == PARAMS
+    no_url = Settings(remote={"codec": "cachegen"})
+    assert choice(no_url, digest, "CPU", _Layout()) is None
+    native = Settings(remote={**remote, "codec": "native"})
+    assert choice(native, digest, "CPU", _Layout()) is None
+
+
+def test_a_lossy_identity_stores_l3_pages_losslessly_unless_l3_codec_asks(
+    tmp_path: Path,
+) -> None:
+    """remote.codec alone makes the identity lossy; L3 (l3.codec native) still stores its pages
+    with the lossless codec, and reads them back as they were."""
+    tier = _tier(tmp_path / "l3", codec="native")
+    try:
+        rec, raws = _record(LOSSY)
+        assert tier.record(rec) and tier.flush(10)
+        store = tier._parts.rw
+        assert {stored_codec(_stored(store, DATA + p.key)) for p in rec.pages} == {"native"}
+        assert tier._parts.counters.get("cachegen_pages") == 0
+        assert [bytes(p) for p in tier.read([p.key for p in rec.pages])] == raws
+    finally:
+        tier.close()
+
+
 def test_codec_setting_is_fail_closed() -> None:
     from skippy_llama.config import load_settings
     from skippy_llama.errors import ConfigError
