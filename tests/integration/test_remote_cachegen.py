@@ -33,6 +33,7 @@ from skippy_llama.codecs import cachegen, encode, stored_codec
 from skippy_llama.codecs.cachegen import CacheGenParams
 from skippy_llama.config import RemoteSettings, load_settings
 from skippy_llama.identity import chain_key
+from skippy_llama.tiers.l3.schema import Manifest
 from skippy_llama.tiers.records import PageBlob, PrefixRecord
 from skippy_llama.tiers.remote import RemoteStore
 from skippy_llama.tiers.remote import codec as remote_codec
@@ -116,6 +117,16 @@ def test_a_lossy_identity_sends_cachegen_pages_and_reads_them_back(
         _close(got, raws)
         activity = store.status()["activity"]
         assert activity["cachegen_pages_sent"] == 3 and activity["cachegen_pages_fetched"] == 3
+        # the server's manifest names the codec, as L3's do
+        name = store.keys.manifest(ROOT.hex(), record.manifest_id)
+        client = redis_clean.client()
+        try:
+            value = client.get(name)
+        finally:
+            client.close()
+        assert isinstance(value, bytes)
+        frame = remote_codec.unpack(store._signer, name, remote_codec.KIND_MANIFEST, value)
+        assert Manifest.unpack(bytes(frame.body), record.manifest_id).codec == "cachegen/1"
         assert store.status()["codec"]["sends"] == "cachegen"
 
 

@@ -445,7 +445,12 @@ class RemoteStore:
         indexed = [page for page in pages[:n_pages] if page.key in index]
         if indexed:
             self._index(ident, indexed)
-        man = Manifest.of_record(record, [*sizes, *[1] * (len(pages) - n_pages)], time.time())
+        # the pages' codec as L3's manifests name it (pages this store sent; the server's other
+        # pages of a lossy identity were sent by instances of the same identity)
+        coded = f"{cachegen.NAME}/{cachegen.CODEC_VERSION}" if self._push_params else "native"
+        man = Manifest.of_record(
+            record, [*sizes, *[1] * (len(pages) - n_pages)], time.time(), codec=coded
+        )
         if n_pages < len(pages):
             man = man.cut(n_pages)
             mname = self.keys.manifest(ident, man.id)
