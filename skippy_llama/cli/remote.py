@@ -63,6 +63,11 @@ def format_status(report: dict[str, Any]) -> str:
             f"  {ident}: {entry['manifests']} prefixes, {entry['pages']} pages, "
             f"{human_size(entry['bytes'])}; models {models}"
             + (
+                f"; codecs {', '.join(f'{c} {n}' for c, n in sorted(entry['codecs'].items()))}"
+                if set(entry.get("codecs", {})) - {"native"}
+                else ""
+            )
+            + (
                 f"; {entry['other_secrets']} keys of other secrets"
                 if entry["other_secrets"]
                 else ""

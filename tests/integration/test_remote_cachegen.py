@@ -127,6 +127,7 @@ def test_a_lossy_identity_sends_cachegen_pages_and_reads_them_back(
         assert isinstance(value, bytes)
         frame = remote_codec.unpack(store._signer, name, remote_codec.KIND_MANIFEST, value)
         assert Manifest.unpack(bytes(frame.body), record.manifest_id).codec == "cachegen/1"
+        assert store.server_status()["inventory"][ROOT.hex()]["codecs"] == {"cachegen/1": 1}
         assert store.status()["codec"]["sends"] == "cachegen"
 
 

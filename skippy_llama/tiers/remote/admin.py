@@ -74,7 +74,7 @@ class Admin:
                 entry = inventory.setdefault(
                     ident,
                     {"pages": 0, "manifests": 0, "child_entries": 0, "bytes": 0,
-                     "other_secrets": 0, "models": {}},
+                     "other_secrets": 0, "models": {}, "codecs": {}},
                 )  # fmt: skip
                 if secret != self.keys.secret:
                     entry["other_secrets"] += 1
@@ -91,8 +91,10 @@ class Admin:
             for name, man in self._manifests(manifests):
                 parsed = self.keys.parse(name)
                 assert parsed is not None
-                models = inventory[parsed[0]]["models"]
-                models[man.model_identity] = man.model_name
+                entry = inventory[parsed[0]]
+                entry["models"][man.model_identity] = man.model_name
+                # prefixes per page codec: a lossy identity's are cachegen/<version>
+                entry["codecs"][man.codec] = entry["codecs"].get(man.codec, 0) + 1
         except redis.exceptions.RedisError as exc:
             raise self._unavailable(exc) from None
         version = info.get("valkey_version") or info.get("redis_version")
