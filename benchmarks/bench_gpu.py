@@ -9,8 +9,12 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
   the first restore of a fresh process (reported), then one with its buffers reused (``runs``);
   ``l3`` chunked (``SkippyLlama.pipeline_restores``, where the append import is certified),
   ``l3_one_import`` the same restore read whole and imported whole;
-- L2: a third object with L1 off, its later requests served from the RAM mirror, as one blob
-  (``l2``, the default) and in chunks (``l2_chunked``, ``KVSeam.chunk_ram_restores``);
+- L2: a third object with L1 off, its later requests served from the RAM mirror: ``l2`` as
+  the runtime does by default (from the host arena by per-layer copies where the roster
+  certifies ``layer_copy_exact``, patch 0006; ``arena`` says whether it did), ``l2_blob`` with
+  the arena detached (pages kept as bytes, assembled into one blob and imported, the path before
+  issue 45), and ``l2_chunked`` (``l2_blob`` in chunks, ``KVSeam.chunk_ram_restores``); every
+  restore run gives its rate (``restore_gbps``: K/V bytes restored over the restore's time);
 
 with the max |Δ| of the last logits against the cold run (canonical batching makes it 0), the
 time of the L3 record after a request (``record_s``: on the request path; nothing where records
@@ -124,6 +128,7 @@ def bench_size(
             ("l3", {"l1": False}),
             ("l3_one_import", {"l1": False}),
             ("l2", {"l1": False, "l2": "32GiB"}),
+            ("l2_blob", {"l1": False, "l2": "32GiB"}),
             ("l2_chunked", {"l1": False, "l2": "32GiB"}),
         ]
         # each L3 reader records its own query's pages: the one-import reader gets a copy of
@@ -138,6 +143,11 @@ def bench_size(
             llm.pipeline_restores = tier != "l3_one_import"
             # l2: one blob (the default); l2_chunked: in chunks like a restore that reads L3
             llm.seam.chunk_ram_restores = tier == "l2_chunked"
+            ram = llm.prefix_cache.ram
+            if tier in ("l2_blob", "l2_chunked") and ram is not None:
+                # the path before issue 45: L2 keeps page bytes, a restore assembles a blob
+                ram.detach_arena()
+                llm.seam.layer_copies = False
             # L3: the first restore of a fresh process (a restart: its buffers are new), then a
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last runs read it, the last one reported (buffers settled)
@@ -154,14 +164,26 @@ def bench_size(
                         "cached": event.cached_tokens if event else 0,
                         "tier": event.tier if event else None,
                         "restore_ms": round(event.restore_ms, 2) if event else None,
+                        "restore_gbps": _gbps(event),
                         "max_abs_dlogit": float(np.abs(_logits(llm) - cold).max()),
                         "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()},
                     }
                 )
             row[tier] = {**runs[0 if tier.startswith("l3") else -1], "runs": runs}
             row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
+            if tier.startswith("l2"):
+                row[tier]["arena"] = llm.seam.layer_copies
+                row[tier]["arena_refusal"] = llm.arena_refusal
+                row[tier]["arena_pinned"] = ram.arena_pinned if ram is not None else False
             llm.close()
     return row
+
+
+def _gbps(event: Any) -> float | None:
+    """K/V bytes a restore moved over its time, in GB/s (None: nothing restored)."""
+    if event is None or not event.restored_bytes or not event.restore_ms:
+        return None
+    return round(float(event.restored_bytes) / (float(event.restore_ms) * 1e-3) / 1e9, 2)
 
 
 #: Where a restore's time goes (inclusive wall time of each step, summed over one request):
@@ -170,7 +192,8 @@ def bench_size(
 #: ``promote`` copies pages read from L3 into L2, ``import`` loads a blob into llama.cpp,
 #: ``capture`` copies a waiting record's cells out before the prompt overwrites them. In a
 #: chunked restore fetch, assemble and promote run on the read-ahead thread, beside import.
-RESTORE_PHASES = ("fetch", "take", "assemble", "promote", "import", "capture")
+#: ``arena`` is a restore from L2's host arena by per-layer copies (its own lookup included).
+RESTORE_PHASES = ("fetch", "take", "assemble", "promote", "import", "capture", "arena")
 
 
 def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
@@ -183,6 +206,7 @@ def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
         "promote": (llm.prefix_cache.pages, "promote"),
         "import": (kv, "_import"),
         "capture": (kv, "capture"),
+        "arena": (kv, "_from_arena"),
     }
     return _wrap_timed({name: owners[name] for name in RESTORE_PHASES})
 

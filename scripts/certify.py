@@ -21,6 +21,10 @@ content digest the row records; a row lists only the lanes that passed:
   l1_stream_copy_exact a resident prefix kept as a device checkpoint and copied back (the L1 path)
                        gives bit-identical logits; cut shorter too, except for sliding-window
                        models, whose checkpoints the runtime serves only at full length
+  layer_copy_exact     pages kept in a host arena laid out as the KV tensors (L2's arena) are
+                       copied per layer into a fresh context (patch 0006) and give bit-identical
+                       logits; cells copied out equal the state's pages; a non-continuing copy
+                       is refused with the sequence untouched
   lone_decode_exact    the last tokens decoded one at a time, as a reply is generated, give
                        bit-identical logits (patch 0004; the runtime probes this at load on the
                        user's CPU, so the lane records what the patch gives, it gates nothing)
@@ -70,8 +74,10 @@ from skippy_llama.roster import (  # noqa: E402
     parse_roster,
 )
 from skippy_llama.runtime import native, native_ext  # noqa: E402
+from skippy_llama.runtime.arena_setup import layers_match  # noqa: E402
 from skippy_llama.runtime.context import adjusted  # noqa: E402
 from skippy_llama.runtime.recipe import library_recipe, row_key  # noqa: E402
+from skippy_llama.runtime.seam import arena_spans  # noqa: E402
 from skippy_llama.state import (  # noqa: E402
     assemble,
     cut_pages,
@@ -82,6 +88,7 @@ from skippy_llama.state import (  # noqa: E402
 from skippy_llama.state.format import SequenceState, parse_layout, parse_sections  # noqa: E402
 from skippy_llama.state.layout import KVLayout  # noqa: E402
 from skippy_llama.state.pages import Page  # noqa: E402
+from skippy_llama.tiers.arena import ArenaSlot, HostArena  # noqa: E402
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as "
@@ -292,6 +299,62 @@ def lane_append_import(run: Run) -> Outcome:
         warm.close()
 
 
+def lane_layer_copy(run: Run) -> Outcome:
+    """Patch 0006, L2's arena path: pages put in a host arena (the device's layout) are copied
+    per layer into a fresh context in two calls (a prefix, then the rest after it) and give
+    bit-identical logits; a copy out of the cold context equals the pages byte for byte; a
+    span whose positions do not continue the sequence is refused with nothing changed."""
+    if run.full is None:
+        if native_ext.kv_layers(run.cold.ctx) is None:
+            return (
+                "skippy_kv_layers returns -1: patch 0006 copies llama_kv_cache memory only, and "
+                "this model's is llama_kv_cache_iswa"
+            )
+        return run.paging_refusal()
+    a, b, _ = run.split
+    layout = run.full.layout
+    pages = cut_pages(run.full, PAGE)[: b // PAGE]
+    infos = native_ext.kv_layers(run.cold.ctx)
+    if infos is None:
+        return "skippy_kv_layers refuses this cache"
+    differ = layers_match(infos, layout)
+    if differ is not None:
+        return f"skippy_kv_layers disagrees with the state format: {differ}"
+    # the first page in the last slot, the others from slot 0 on: more than one run of cells
+    n_slots = len(pages) + 2
+    arena = HostArena(layout, PAGE, n_slots)
+    slots = [arena.put(page, n_slots - 2 if i == 0 else None) for i, page in enumerate(pages)]
+    if any(slot is None for slot in slots):
+        return "the arena refused a page"
+    held = [slot for slot in slots if slot is not None]
+    # copied out into empty slots 0, 1, ... of another arena (nothing put there first)
+    out = HostArena(layout, PAGE, n_slots)
+    out_slots = [ArenaSlot(i, p.start, p.n_tokens, b"", p.nbytes) for i, p in enumerate(pages)]
+    parts = [(slot, slot.start, slot.end) for slot in out_slots]
+    if not native_ext.cells_get(run.cold.ctx, 0, 0, arena_spans(out, parts)):
+        return "skippy_kv_cells_get refused the cold context's cells"
+    for slot, page in zip(out_slots, pages, strict=True):
+        if out.page(slot).to_bytes() != page.to_bytes():
+            return f"cells copied out at [{page.start}, {page.end}) differ from the state's page"
+    warm = run.warm()
+    try:
+        first = [(s, s.start, min(s.end, a)) for s in held if s.start < a]
+        rest = [(s, max(s.start, a), s.end) for s in held if s.end > a]
+        if native_ext.cells_set(warm.ctx, 0, 5, arena_spans(arena, first)):
+            return "cells at position 5 were added to an empty sequence"
+        if native.seq_pos_max(warm.ctx, 0) != -1:
+            return "a refused copy changed the sequence"
+        if not native_ext.cells_set(warm.ctx, 0, 0, arena_spans(arena, first)):
+            return "skippy_kv_cells_set refused a prefix"
+        if not native_ext.cells_set(warm.ctx, 0, a, arena_spans(arena, rest)):
+            return "skippy_kv_cells_set refused cells continuing the sequence"
+        return _exact(_continue(warm, run.tokens, b), run)
+    finally:
+        warm.close()
+        arena.close()
+        out.close()
+
+
 def lane_l1_copy(run: Run) -> Outcome:
     """The L1 path: a device checkpoint copied back, at full length and (not SWA) cut shorter."""
     a, b, c = run.split
@@ -382,6 +445,7 @@ LANES: dict[str, Callable[[Run], Outcome]] = {
     "append_import_exact": lane_append_import,
     "restart_exact": lane_restart,
     "lone_decode_exact": lane_lone_decode,
+    "layer_copy_exact": lane_layer_copy,
 }
 
 

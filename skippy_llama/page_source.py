@@ -7,11 +7,14 @@ tier into the shallower ones. It plans, counts and commits nothing: that stays w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .plan import FetchedPage, PageRef
+from .tiers.arena import ArenaSlot, HostArena
 from .tiers.base import PageTier, Tier
+from .tiers.ram import RamTier
 
 
 class TierPages:
@@ -52,3 +55,31 @@ class TierPages:
     def _in_memory(self, name: str) -> bool:
         tier = self._by_name.get(name)
         return isinstance(tier, PageTier) and tier.in_memory
+
+    def in_arena(self, pages: Sequence[PageRef]) -> bool:
+        """Whether every page of ``pages`` is held in one tier's host arena (L2 with the
+        patched per-layer copies), so a restore can copy them straight into the KV tensors
+        (no side effects)."""
+        tier = self._arena_tier(pages)
+        return tier is not None and tier.in_arena([p.key for p in pages])
+
+    @contextlib.contextmanager
+    def arena_read(
+        self, pages: Sequence[PageRef]
+    ) -> Iterator[tuple[HostArena, list[ArenaSlot]] | None]:
+        """The arena and the slots of the longest prefix of ``pages`` it holds (verified as a
+        fetch is), locked against fills and evictions until the block ends; None when the
+        pages are not all in one arena tier."""
+        tier = self._arena_tier(pages)
+        if tier is None:
+            yield None
+            return
+        with tier.arena_read([p.key for p in pages]) as held:
+            yield held
+
+    def _arena_tier(self, pages: Sequence[PageRef]) -> RamTier | None:
+        names = {page.tier for page in pages}
+        if len(names) != 1:
+            return None
+        tier = self._by_name.get(names.pop())
+        return tier if isinstance(tier, RamTier) and tier.arena is not None else None

@@ -25,8 +25,9 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # from the sdist's CHANGELOG.md ("update llama.cpp to ggml-org/llama.cpp@0c1e57098"): the sdist
 # ships the sources without git metadata, so the library itself cannot report it
 LLAMA_CPP_COMMIT = "0c1e57098"
-# the version of the skippy_* C calls that runtime/native_ext.py speaks
-SKIPPY_ABI_VERSION = 1
+# the version of the skippy_* C calls that runtime/native_ext.py speaks (2: per-layer cell
+# copies, patch 0006)
+SKIPPY_ABI_VERSION = 2
 ROSTER_FORMAT = 1
 _QUEUE_TAG = b"skippy-llama patch queue v1"
 
@@ -48,9 +49,11 @@ LANES = (
     "append_import_exact",
     "restart_exact",
     "lone_decode_exact",
+    "layer_copy_exact",
 )
 """Certification lanes; ``range_export_slice`` gates range capture, ``append_import_exact`` append;
-``lone_decode_exact`` records what patch 0004 gives (the runtime probes it at load)."""
+``lone_decode_exact`` records what patch 0004 gives (the runtime probes it at load);
+``layer_copy_exact`` gates L2's host arena and its per-layer cell copies (patch 0006)."""
 
 VerdictKind = Literal["certified", "stock", "uncertified", "uncertified_override"]
 
@@ -362,6 +365,10 @@ class Verdict:
     @property
     def append_import(self) -> bool:
         return self.allows("append_import_exact")
+
+    @property
+    def layer_copy(self) -> bool:
+        return self.allows("layer_copy_exact")
 
     def describe(self) -> str:
         recipe = self.recipe.describe() if self.recipe else "stock llama-cpp-python"

@@ -41,6 +41,7 @@ from ..state import KVLayout
 from ..tiers.factory import build_point_tiers, wants_pages
 from ..tiers.l3.trace import TraceWriter
 from . import probes, repair
+from .arena_setup import attach_arena
 from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
@@ -173,6 +174,22 @@ class SkippyLlama(llama_cpp.Llama):
             budget=self.l1_budget_tokens,
             window=window,
         )
+        #: Why L2 keeps page bytes rather than its host arena, whose restores copy pages per
+        #: layer straight into the KV tensors (None: the arena serves; ``arena_setup.py``).
+        self.arena_refusal: str | None = "no pages"
+        if layout is not None and self.prefix_cache.ram is not None:
+            try:
+                self.arena_refusal = attach_arena(
+                    self.ctx,
+                    self.seam,
+                    self.prefix_cache,
+                    layout,
+                    seq.verdict,
+                    pinner=self.seam.buffers.pinner,
+                )
+            except Exception as exc:  # fail-open: L2 keeps page bytes
+                self.arena_refusal = f"{type(exc).__name__}: {exc}"
+                log.warning("skippy-llama: no L2 arena (%s)", self.arena_refusal)
         #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
         #: the paged cache refuses) where they are exact; None otherwise.
         self.restore_points: RestorePointPath | None = None

@@ -5,6 +5,9 @@ wheel simply reports :func:`abi_version` ``None`` and every caller keeps to the 
 :func:`range_export` writes the sequence state of the cells with positions in ``[p0, p1)`` in the
 stock format (``skippy_llama.state`` parses and cuts it); :func:`append_import` adds a blob's cells
 after a sequence's last position and refuses, changing nothing, when the positions do not continue.
+:func:`kv_layers`, :func:`cells_get` and :func:`cells_set` (ABI 2, patch 0006) move a sequence's K/V
+cells per layer between the KV tensors and host memory laid out as those tensors are (the L2 arena,
+:mod:`skippy_llama.tiers.arena`), without the state format.
 Whether a loaded model may use them is the roster's decision (:mod:`skippy_llama.runtime.recipe`).
 """
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
+import numpy as np
+import numpy.typing as npt
 from llama_cpp import llama_cpp as _bindings
 
 from ..errors import TierError
@@ -29,6 +34,129 @@ class _Calls:
     range_get_size: Any
     range_get_data: Any
     append_data: Any
+
+
+class KVLayerInfo(ctypes.Structure):
+    """``skippy_kv_layer``: one KV layer of the context's cache (patch 0006)."""
+
+    _fields_ = [
+        ("type_k", ctypes.c_int32),
+        ("type_v", ctypes.c_int32),
+        ("k_row", ctypes.c_uint64),
+        ("v_row", ctypes.c_uint64),
+        ("v_elem", ctypes.c_uint32),
+        ("n_embd_v", ctypes.c_uint32),
+        ("v_trans", ctypes.c_uint32),
+        ("n_cells", ctypes.c_uint32),
+    ]
+
+
+class KVSpan(ctypes.Structure):
+    """``skippy_kv_span``: a run of consecutive positions and, per layer, where its K and V rows
+    are in host memory (transposed V: rows ``v_row_cells`` elements apart)."""
+
+    _fields_ = [
+        ("n_cells", ctypes.c_uint32),
+        ("v_row_cells", ctypes.c_uint32),
+        ("k", ctypes.POINTER(ctypes.c_void_p)),
+        ("v", ctypes.POINTER(ctypes.c_void_p)),
+    ]
+
+
+@dataclass(frozen=True)
+class HostSpan:
+    """A span as :func:`cells_set` / :func:`cells_get` take it: ``n_cells`` positions, the
+    address of their first K row and first V element per layer (uint64 arrays, one entry per
+    layer), and the cells per transposed V row of the host memory."""
+
+    n_cells: int
+    k: npt.NDArray[np.uint64]
+    v: npt.NDArray[np.uint64]
+    v_row_cells: int
+
+
+@dataclass(frozen=True)
+class _LayerCalls:
+    kv_layers: Any
+    cells_get: Any
+    cells_set: Any
+
+
+@functools.cache
+def _layer_calls() -> _LayerCalls | None:
+    calls = _calls()
+    if calls is None or int(calls.abi_version()) < 2:
+        return None
+    lib = _bindings._lib
+    try:
+        out = _LayerCalls(lib.skippy_kv_layers, lib.skippy_kv_cells_get, lib.skippy_kv_cells_set)
+    except AttributeError:
+        return None
+    ctx, seq, pos = llama_cpp.llama_context_p_ctypes, llama_cpp.llama_seq_id, llama_cpp.llama_pos
+    out.kv_layers.argtypes = [ctx, ctypes.POINTER(KVLayerInfo), ctypes.c_int32]
+    out.kv_layers.restype = ctypes.c_int32
+    for fn in (out.cells_get, out.cells_set):
+        fn.argtypes = [ctx, seq, pos, ctypes.POINTER(KVSpan), ctypes.c_int32]
+        fn.restype = ctypes.c_int32
+    return out
+
+
+def has_layer_copies() -> bool:
+    """Whether the loaded library has the per-layer cell copies (patch 0006, ABI 2)."""
+    return _layer_calls() is not None
+
+
+def kv_layers(ctx: Any) -> list[KVLayerInfo] | None:
+    """The KV layers of the context's cache; None when the library or the cache type has no
+    per-layer cell copies."""
+    calls = _layer_calls()
+    if calls is None:
+        return None
+    n = int(calls.kv_layers(ctx, None, 0))
+    if n <= 0:
+        return None
+    out = (KVLayerInfo * n)()
+    if int(calls.kv_layers(ctx, out, n)) != n:
+        return None
+    return list(out)
+
+
+def _spans(spans: list[HostSpan]) -> Any:
+    arr = (KVSpan * len(spans))()
+    for dst, span in zip(arr, spans, strict=True):
+        dst.n_cells = span.n_cells
+        dst.v_row_cells = span.v_row_cells
+        dst.k = ctypes.cast(span.k.ctypes.data, ctypes.POINTER(ctypes.c_void_p))
+        dst.v = ctypes.cast(span.v.ctypes.data, ctypes.POINTER(ctypes.c_void_p))
+    return arr
+
+
+def _layer_require() -> _LayerCalls:
+    calls = _layer_calls()
+    if calls is None:
+        raise TierError("the loaded llama.cpp library has no per-layer cell copies (patch 0006)")
+    return calls
+
+
+def cells_set(ctx: Any, seq_id: int, p0: int, spans: list[HostSpan]) -> bool:
+    """Add cells at positions ``p0 ...`` to ``seq_id`` and copy their K/V from ``spans``' host
+    memory (one copy per layer and K/V per run of cache cells); False (nothing changed) when
+    refused: ``p0`` does not continue the sequence, too few free cells, another cache type.
+
+    The caller keeps ``spans``' arrays and the memory they point at alive for the call."""
+    calls = _layer_require()
+    if not spans:
+        return True
+    return int(calls.cells_set(ctx, seq_id, p0, _spans(spans), len(spans))) == 0
+
+
+def cells_get(ctx: Any, seq_id: int, p0: int, spans: list[HostSpan]) -> bool:
+    """Copy the K/V of ``seq_id``'s cells at positions ``p0 ...`` into ``spans``' host memory;
+    False when refused (a position is missing, another cache type)."""
+    calls = _layer_require()
+    if not spans:
+        return True
+    return int(calls.cells_get(ctx, seq_id, p0, _spans(spans), len(spans))) == 0
 
 
 @functools.cache

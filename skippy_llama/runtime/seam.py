@@ -5,7 +5,9 @@ from a :class:`~skippy_llama.plan.PageSource`, and says what it did
 (:class:`~skippy_llama.plan.RestoreOutcome`); parks, captures and probes go through it too. It
 never sees the cache: the request path (``restore.py``, ``repair.py``) plans, asks for a
 shallower plan when a step failed, and commits. Stock state calls everywhere; the patched range
-export and append import where the roster certifies them. Executing a plan never raises.
+export and append import where the roster certifies them, and a restore wholly from L2's host
+arena by the per-layer cell copies (patch 0006) where ``layer_copies`` is on (the roster
+certifies them and the arena is attached). Executing a plan never raises.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import contextlib
 import logging
 import mmap
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
 from ..plan import FetchedPage, PageRef, PageSource, RestoreOutcome, RestorePlan
 from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
+from ..tiers.arena import ArenaSlot, HostArena
 from ..tiers.base import ParkPlan
 from . import native, native_ext
 
@@ -47,6 +52,17 @@ def chunks(plan: RestorePlan, layout: KVLayout) -> list[tuple[PageRef, ...]]:
     step = max(1, PIPELINE_BYTES // per_page)
     pages = plan.pages
     return [pages[i : i + step] for i in range(0, len(pages), step)]
+
+
+def arena_spans(
+    arena: HostArena, parts: list[tuple[ArenaSlot, int, int]]
+) -> list[native_ext.HostSpan]:
+    """The spans ``skippy_kv_cells_set/get`` take for positions ``[first, end)`` of the pages in
+    arena slots (``parts``, consecutive): one per run of consecutive arena cells."""
+    return [
+        native_ext.HostSpan(run.n_cells, *arena.addresses(run), arena.capacity)
+        for run in arena.runs(parts)
+    ]
 
 
 @dataclass
@@ -90,6 +106,10 @@ class KVSeam:
         #: whole L2 imports were measured, chunked ones not yet (``bench_gpu.py``'s
         #: ``l2_chunked`` compares them).
         self.chunk_ram_restores = False
+        #: Whether a plan whose pages are all in L2's host arena is restored by the patched
+        #: per-layer cell copies (:meth:`_from_arena`): on where the roster certifies
+        #: ``layer_copy_exact`` and the runtime attached the arena (``runtime/arena_setup.py``).
+        self.layer_copies = False
         #: reads a pipelined restore's next chunk of pages (one per seam: a thread's L3 read
         #: buffer is reused by its next read, so two restores must not share the thread)
         self._ahead: ThreadPoolExecutor | None = None
@@ -207,6 +227,12 @@ class KVSeam:
         notes: list[str],
         faults: list[str],
     ) -> RestoreOutcome:
+        if self.layer_copies and plan.pages and layout is not None:
+            # a source with an arena (TierPages) says so; other sources (tests' fakes) have none
+            in_arena = getattr(source, "in_arena", None)
+            arena_read = getattr(source, "arena_read", None)
+            if in_arena is not None and arena_read is not None and in_arena(plan.pages):
+                return self._from_arena(plan, arena_read, layout, append, notes, faults)
         if (
             pipeline
             and layout is not None
@@ -239,6 +265,70 @@ class KVSeam:
                 return outcome
             return RestoreOutcome(plan, restored=True)
         return RestoreOutcome(plan)
+
+    def _from_arena(
+        self,
+        plan: RestorePlan,
+        arena_read: Callable[
+            [tuple[PageRef, ...]],
+            AbstractContextManager[tuple[HostArena, list[ArenaSlot]] | None],
+        ],
+        layout: KVLayout,
+        append: bool,
+        notes: list[str],
+        faults: list[str],
+    ) -> RestoreOutcome:
+        """A plan wholly from L2's host arena: its pages' cells go from the arena straight into
+        the KV tensors, one copy per layer and K/V per run of consecutive slots
+        (``skippy_kv_cells_set``), with no state blob. L2 stays locked while the copies run.
+        A short read ends the restore where the slots end, as :meth:`_try` does."""
+        with arena_read(plan.pages) as held:
+            if held is None:
+                return RestoreOutcome(plan, failed=True)  # pragma: no cover - checked before
+            arena, slots = held
+            if len(slots) < len(plan.pages):
+                notes.append(plan.short_note(len(slots)))
+                faults.append(f"{plan.pages[len(slots)].tier}_short_read")
+                lost = sum(page.used for page in plan.pages[len(slots) :])
+                if plan.n_tokens - lost <= plan.floor:
+                    return RestoreOutcome(plan, failed=True)
+                plan = plan.truncated(plan.n_tokens - lost)
+            try:
+                cells = self._import_arena(plan, arena, slots[: len(plan.pages)], append)
+            except Exception as exc:
+                return self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
+        fetched = tuple(FetchedPage(ref.tier, ref.key, b"") for ref in plan.pages)
+        return RestoreOutcome(
+            plan,
+            restored=True,
+            restored_bytes=cells * layout.kv_bytes_per_cell,
+            fetched=fetched,
+            promoted=True,  # L2 is the shallowest page tier: nothing to promote into
+        )
+
+    def _import_arena(
+        self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], append: bool
+    ) -> int:
+        """Put the plan's L1 prefix in place (or clear the sequence) and copy the slots' cells
+        after it; returns the cells copied."""
+        base = plan.base_tokens
+        if base and not append:
+            raise TierError("an append plan without append import")
+        parts: list[tuple[ArenaSlot, int, int]] = []
+        for ref, slot in zip(plan.pages, slots, strict=True):
+            first, end = max(slot.start, base), slot.start + ref.used
+            if first < end:
+                parts.append((slot, first, end))
+        if not parts or parts[0][1] != base or parts[-1][2] != plan.n_tokens:
+            raise StateFormatError("the arena's pages do not cover the planned prefix")
+        spans = arena_spans(arena, parts)
+        if base:
+            self._place_base(plan)
+        else:
+            self.cut()
+        if not native_ext.cells_set(self.ctx, WORKING_SEQ, base, spans):
+            raise TierError("skippy_kv_cells_set refused the arena's cells")
+        return plan.n_tokens - base
 
     def _failed(
         self,

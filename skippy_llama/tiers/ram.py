@@ -20,18 +20,30 @@ yet (``predicted``); when that does not free enough room, the page is refused an
 stops. So a less likely prediction never displaces a more likely one made before it, a prefetch
 larger than the budget never evicts its own first pages, and stale predictions stop blocking
 after ``promote_window_s``. Real fills keep plain LRU over everything: demand beats prediction.
+
+With a host arena attached (:meth:`RamTier.attach_arena`, where the patched llama.cpp's per-layer
+cell copies are certified) pages are kept in the KV cache's own layout (:mod:`.arena`) instead of
+as page bytes, each charged a whole slot; :meth:`RamTier.arena_read` hands a restore the slots of
+a run of pages, and :meth:`RamTier.get` still gives page bytes to every other reader.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from ..errors import StateFormatError
+from ..state import page_from_bytes
+from .arena import ArenaSlot, HostArena
 from .base import PrefetchFill
 from .records import PrefixRecord, RamStatus
+
+#: what L2 keeps of a page: its bytes, or its slot in the host arena
+Held = bytes | ArenaSlot
 
 
 class DigestSource(Protocol):
@@ -86,8 +98,13 @@ class RamTier:
         self._large = large_prefix_tokens
         self._max_payload = max_payload_bytes
         self._max_seen = max_seen
-        # key -> (payload, L3 digest); order = LRU (first) to MRU (last)
-        self._pages: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        # key -> (payload or arena slot, L3 digest); order = LRU (first) to MRU (last)
+        self._pages: OrderedDict[bytes, tuple[Held, bytes]] = OrderedDict()
+        #: pages in the KV cache's layout (None: pages are kept as bytes)
+        self.arena: HostArena | None = None
+        #: the arena is page-locked (set by whoever pinned it)
+        self.arena_pinned = False
+        self._last_slot: int | None = None
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # key -> time of first fill
         # key -> when a prefetch predicted it; dropped on its first hit (see the module docstring)
         self._predicted: dict[bytes, float] = {}
@@ -107,9 +124,54 @@ class RamTier:
                 "prefetched",
                 "prefetch_hits",
                 "prefetch_refused",
+                "arena_hits",
             ),
             0,
         )
+
+    def attach_arena(self, arena: HostArena) -> None:
+        """Keep pages in ``arena`` from now on (the pages held so far are dropped)."""
+        with self._lock:
+            for key in list(self._pages):
+                self._drop(key)
+            self.arena = arena
+            self._last_slot = None
+
+    def detach_arena(self) -> None:
+        """Go back to keeping page bytes (the pages held in the arena are dropped, the arena
+        closed): what L2 did before the arena, for comparisons."""
+        with self._lock:
+            for key in list(self._pages):
+                self._drop(key)
+            arena, self.arena = self.arena, None
+            self.arena_pinned = False
+        if arena is not None:
+            arena.close()
+
+    def _charge(self, payload: bytes | memoryview) -> int:
+        """Bytes the budget is charged for a page: a whole slot in the arena, else its size."""
+        return self.arena.slot_bytes if self.arena is not None else len(payload)
+
+    def _keep(self, payload: bytes | memoryview) -> Held:
+        """The page as L2 holds it: copied into an arena slot, else its own bytes (a page the
+        arena cannot hold stays bytes). Called with room for it made."""
+        if self.arena is not None:
+            try:
+                page = page_from_bytes(payload)
+            except StateFormatError:
+                page = None
+            slot = self.arena.put(page, self._last_slot) if page is not None else None
+            if slot is not None:
+                self._last_slot = slot.index
+                return slot
+        # own the bytes: a memoryview would pin whatever larger buffer it slices
+        return payload if isinstance(payload, bytes) else bytes(payload)
+
+    def _held_bytes(self, held: Held) -> int:
+        """Bytes the budget was charged for ``held``."""
+        if isinstance(held, ArenaSlot):
+            return self.arena.slot_bytes if self.arena is not None else 0
+        return len(held)
 
     @property
     def used_bytes(self) -> int:
@@ -133,14 +195,14 @@ class RamTier:
             digest: L3's digest of those bytes (checked again on every :meth:`get`).
             prefix_tokens: length of the prefix the page was read for.
         """
-        size = len(payload)
         with self._lock:
+            size = self._charge(payload)
             if key in self._pages:
                 if self._pages[key][1] == digest:
                     self._pages.move_to_end(key)
                     return True
                 self._drop(key)  # L3 rewrote the page: the old copy is stale
-            if size > self._max_payload:
+            if len(payload) > self._max_payload:
                 self._counts["rejected_too_large"] += 1
                 return False
             if size > self.budget_bytes:
@@ -161,10 +223,9 @@ class RamTier:
             while self._used + size > self.budget_bytes and self._pages:
                 self._drop(next(iter(self._pages)))
                 self._counts["evictions"] += 1
-            # Own the bytes: a memoryview would pin whatever larger buffer it slices.
-            data = payload if isinstance(payload, bytes) else bytes(payload)
-            self._pages[key] = (data, digest)
-            self._used += size
+            held = self._keep(payload)
+            self._pages[key] = (held, digest)
+            self._used += self._held_bytes(held)
             self._counts["promotions"] += 1
             return True
 
@@ -179,17 +240,58 @@ class RamTier:
             if entry is None:
                 self._counts["misses"] += 1
                 return None
-            payload, digest = entry
-            if l3_digest is None or digest != l3_digest:
-                self._drop(key)
-                self._counts["digest_mismatches" if l3_digest is not None else "invalidations"] += 1
-                self._counts["misses"] += 1
+            if not self._hit(key, entry[1], l3_digest):
                 return None
-            self._pages.move_to_end(key)
-            self._counts["hits"] += 1
-            if self._predicted.pop(key, None) is not None:
-                self._counts["prefetch_hits"] += 1  # a prediction came true; now a plain page
-            return payload
+            held = entry[0]
+            if isinstance(held, ArenaSlot):
+                assert self.arena is not None
+                return self.arena.page(held).to_bytes()
+            return held
+
+    def _hit(self, key: bytes, digest: bytes, l3_digest: bytes | None) -> bool:
+        """Whether the held copy of ``key`` may serve (L3 still holds the same bytes); counts
+        the hit or drops the stale copy. Called with the lock held."""
+        if l3_digest is None or digest != l3_digest:
+            self._drop(key)
+            self._counts["digest_mismatches" if l3_digest is not None else "invalidations"] += 1
+            self._counts["misses"] += 1
+            return False
+        self._pages.move_to_end(key)
+        self._counts["hits"] += 1
+        if self._predicted.pop(key, None) is not None:
+            self._counts["prefetch_hits"] += 1  # a prediction came true; now a plain page
+        return True
+
+    def in_arena(self, keys: Sequence[bytes]) -> bool:
+        """Whether every page of ``keys`` is held in the arena (no side effects)."""
+        with self._lock:
+            held = [self._pages.get(key) for key in keys]
+        return bool(keys) and all(h is not None and isinstance(h[0], ArenaSlot) for h in held)
+
+    @contextlib.contextmanager
+    def arena_read(self, keys: Sequence[bytes]) -> Iterator[tuple[HostArena, list[ArenaSlot]]]:
+        """The arena and the slots of the longest prefix of ``keys`` held there whose L3 digest
+        still matches (counted as hits, as :meth:`get` counts them), for a restore to copy from.
+
+        L2 stays locked until the block ends, so no fill or eviction rewrites a slot while
+        the restore copies it: the block must not call back into this tier.
+        """
+        digests = [self.source.digest(key) if self.source is not None else None for key in keys]
+        with self._lock:
+            arena = self.arena
+            if arena is None:
+                raise StateFormatError("L2 has no arena")
+            slots: list[ArenaSlot] = []
+            for key, l3_digest in zip(keys, digests, strict=True):
+                entry = self._pages.get(key)
+                if entry is None or not isinstance(entry[0], ArenaSlot):
+                    self._counts["misses"] += 1
+                    break
+                if not self._hit(key, entry[1], l3_digest):
+                    break
+                slots.append(entry[0])
+            self._counts["arena_hits"] += len(slots)
+            yield arena, slots
 
     def prefetch_fill(
         self,
@@ -206,8 +308,8 @@ class RamTier:
             digest: L3's digest of those bytes, from the same read.
             protect: pages this prefetch must not evict (the rest of the same prompt's path).
         """
-        size = len(payload)
         with self._lock:
+            size = self._charge(payload)
             now = self._clock()
             if key in self._pages:
                 if self._pages[key][1] == digest:
@@ -215,7 +317,7 @@ class RamTier:
                     self._predicted[key] = now
                     return "held"
                 self._drop(key)  # L3 rewrote the page: the old copy is stale
-            if size > self._max_payload:
+            if len(payload) > self._max_payload:
                 self._counts["rejected_too_large"] += 1
                 return "too_large"
             need = self._used + size - self.budget_bytes
@@ -225,7 +327,7 @@ class RamTier:
                     if old in protect or self._is_predicted(old, now):
                         continue
                     victims.append(old)
-                    need -= len(data)
+                    need -= self._held_bytes(data)
                     if need <= 0:
                         break
             if need > 0:
@@ -235,8 +337,9 @@ class RamTier:
                 self._drop(old)
                 self._counts["evictions"] += 1
             self._seen.pop(key, None)
-            self._pages[key] = (payload if isinstance(payload, bytes) else bytes(payload), digest)
-            self._used += size
+            held = self._keep(payload)
+            self._pages[key] = (held, digest)
+            self._used += self._held_bytes(held)
             self._predicted[key] = now
             self._counts["prefetched"] += 1
             return "added"
@@ -307,6 +410,10 @@ class RamTier:
 
     def close(self) -> None:
         self.clear()
+        with self._lock:
+            arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.close()
 
     def invalidate(self, key: bytes) -> None:
         """Drop the copy of ``key`` (L3 removed, evicted or quarantined the page)."""
@@ -319,15 +426,18 @@ class RamTier:
     def clear(self) -> None:
         """Drop every copy and forget every first fill."""
         with self._lock:
-            self._pages.clear()
+            for key in list(self._pages):
+                self._drop(key)
             self._seen.clear()
             self._predicted.clear()
             self._used = 0
 
     def _drop(self, key: bytes) -> None:
-        payload, _ = self._pages.pop(key)
-        self._used -= len(payload)
+        held, _ = self._pages.pop(key)
+        self._used -= self._held_bytes(held)
         self._predicted.pop(key, None)
+        if isinstance(held, ArenaSlot) and self.arena is not None:
+            self.arena.free(held)
 
     def status(self) -> RamStatus:
         """Budget, usage and counters."""
@@ -337,5 +447,7 @@ class RamTier:
                 budget_bytes=self.budget_bytes,
                 used_bytes=self._used,
                 pages=len(self._pages),
+                arena_bytes=self.arena.nbytes if self.arena is not None else 0,
+                arena_pinned=self.arena_pinned,
                 **self._counts,
             )

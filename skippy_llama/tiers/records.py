@@ -349,3 +349,6 @@ class RamStatus(_Json):
     prefetched: int = 0  # pages a prefetch copied in ahead of a request
     prefetch_hits: int = 0  # hits on pages a prefetch predicted (copied in or found held)
     prefetch_refused: int = 0  # pages a prefetch left out: no room it was allowed to take
+    arena_hits: int = 0  # pages a restore copied straight from the host arena (patch 0006)
+    arena_bytes: int = 0  # host memory of the arena (0: pages kept as bytes)
+    arena_pinned: bool = False  # the arena is page-locked (CUDA builds)

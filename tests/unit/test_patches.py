@@ -46,6 +46,10 @@ def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
         "skippy_patch_queue_sha256",
         "skippy_state_seq_range_get_data",
         "skippy_state_seq_append_data",
+        "skippy_kv_layers",
+        "skippy_kv_cells_get",
+        "skippy_kv_cells_set",
+        "#define SKIPPY_ABI_VERSION 2",
     ):
         assert symbol in header
     recorded = (src / "vendor/llama.cpp/src/skippy-queue.h").read_text()

@@ -1,0 +1,146 @@
+"""L2's host arena: pages kept in the KV tensors' layout, runs of cells, and RamTier on top of it.
+
+Independent of llama.cpp: the pages come from synthetic state blobs (``statefixtures``); what a
+restore copies out of the arena is checked against the state format's own bytes, so the arena's
+layout is exactly the one ``skippy_kv_cells_set`` (patch 0006) reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from statefixtures import Spec, build_state, make_content
+
+from skippy_llama.errors import StateFormatError
+from skippy_llama.state import cut_pages, parse_state
+from skippy_llama.state.pages import Page
+from skippy_llama.tiers.arena import ArenaRun, HostArena, slot_count
+from skippy_llama.tiers.ram import RamTier
+
+SPECS = [Spec(n_layer=3, v_trans=False), Spec(n_layer=3, v_trans=True, n_embd_v=(16, 32, 16))]
+IDS = ["v_rows", "v_transposed"]
+PAGE = 8
+
+
+def pages_of(spec: Spec, n: int, seed: int = 0) -> list[Page]:
+    state = parse_state(build_state(make_content(spec, n, seed=seed)).data)
+    return cut_pages(state, PAGE)
+
+
+class Digests:
+    """The L3 side of the mirror: every page has digest 1 unless told otherwise."""
+
+    serving = True
+
+    def __init__(self) -> None:
+        self.gone: set[bytes] = set()
+
+    def digest(self, key: bytes) -> bytes | None:
+        return None if key in self.gone else b"\x01"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_put_keeps_the_device_layout(spec: Spec) -> None:
+    pages = pages_of(spec, 20)  # two whole pages and a 4-token tail
+    arena = HostArena(pages[0].layout, PAGE, 4)
+    slots = [arena.put(page) for page in pages]
+    assert [s.index for s in slots if s] == [0, 1, 2]
+    for slot, page in zip(slots, pages, strict=True):
+        assert slot is not None
+        assert arena.page(slot).to_bytes() == page.to_bytes()
+        c0 = slot.index * PAGE
+        for il, layer in enumerate(page.layout.layers):
+            # K: cell after cell; V: cell after cell, or one row per element with the cells along it
+            np.testing.assert_array_equal(arena.k[il][c0 : c0 + page.n_tokens], page.k[il])
+            if page.layout.v_trans:
+                u = layer.v_unit
+                assert arena.v[il].shape == (layer.v_embd, arena.capacity * u)
+                block = arena.v[il][:, c0 * u : (c0 + page.n_tokens) * u]
+                np.testing.assert_array_equal(block, page.v[il])
+            else:
+                np.testing.assert_array_equal(arena.v[il][c0 : c0 + page.n_tokens], page.v[il])
+    # the addresses a native copy gets are those of the arrays
+    run = ArenaRun(PAGE + 3, 2)
+    k, v = arena.addresses(run)
+    for il, layer in enumerate(pages[0].layout.layers):
+        assert int(k[il]) == arena.k[il][PAGE + 3 :].ctypes.data
+        assert int(v[il]) == arena.v[il].ctypes.data + (PAGE + 3) * layer.v_unit
+    arena.close()
+
+
+def test_runs_merge_consecutive_slots_and_check_positions() -> None:
+    pages = pages_of(SPECS[1], 32)
+    arena = HostArena(pages[0].layout, PAGE, 6)
+    # page 0 in slot 5, then 0, 1, 2: two runs
+    slots = [arena.put(pages[0], 4), *(arena.put(p) for p in pages[1:])]
+    assert [s.index for s in slots if s] == [5, 0, 1, 2]
+    parts = [(s, s.start, s.end) for s in slots if s]
+    assert arena.runs(parts) == [ArenaRun(5 * PAGE, PAGE), ArenaRun(0, 3 * PAGE)]
+    # an append after 11 resident tokens, ending 3 tokens into the last page
+    a, b = slots[1], slots[3]
+    assert a is not None and b is not None
+    cut = [(a, 11, a.end), (slots[2], 16, 24), (b, 24, 27)]
+    assert arena.runs(cut) == [ArenaRun(3, 16)]  # type: ignore[arg-type]
+    with pytest.raises(StateFormatError, match="skip"):
+        arena.runs([(a, 8, 16), (b, 24, 32)])
+    with pytest.raises(StateFormatError, match="not in the page"):
+        arena.runs([(a, 8, 17)])
+
+
+def test_arena_refuses_other_layouts_and_full() -> None:
+    pages = pages_of(SPECS[0], 16)
+    arena = HostArena(pages[0].layout, PAGE, 1)
+    other = pages_of(SPECS[1], 8)[0]
+    assert arena.put(other) is None  # another layout
+    assert arena.put(pages_of(SPECS[0], 16)[0].head(8)) is not None
+    assert arena.put(pages[1]) is None  # full
+    assert arena.free_slots == 0
+    assert slot_count(arena.slot_bytes * 3 + 1, pages[0].layout, PAGE) == 3
+
+
+def test_ram_tier_keeps_pages_in_the_arena_within_budget() -> None:
+    pages = pages_of(SPECS[1], 40)
+    arena = HostArena(pages[0].layout, PAGE, 3)
+    source = Digests()
+    ram = RamTier(3 * arena.slot_bytes, source=source)
+    ram.attach_arena(arena)
+    for i, page in enumerate(pages[:3]):
+        assert ram.fill(key(i), page.to_bytes(), b"\x01", prefix_tokens=1 << 20)
+    assert ram.in_arena([key(0), key(1), key(2)])
+    assert ram.status().used_bytes == 3 * arena.slot_bytes
+    # every other reader still gets page bytes
+    assert ram.get(key(1), b"\x01") == pages[1].to_bytes()
+    # a fourth page evicts the least recently used one (page 0) and reuses its slot
+    assert ram.fill(key(3), pages[3].to_bytes(), b"\x01", prefix_tokens=1 << 20)
+    assert key(0) not in ram and arena.free_slots == 0
+    with ram.arena_read([key(1), key(2), key(3)]) as (got, slots):
+        assert got is arena
+        assert [arena.page(s).to_bytes() for s in slots] == [p.to_bytes() for p in pages[1:4]]
+    # L3 dropped page 2: the read stops there, as a fetch would
+    source.gone.add(key(2))
+    with ram.arena_read([key(1), key(2), key(3)]) as (_, slots):
+        assert len(slots) == 1
+    status = ram.status()
+    assert (
+        status.arena_hits == 4 and status.invalidations == 1 and status.arena_bytes == arena.nbytes
+    )
+    ram.close()
+
+
+def test_ram_tier_keeps_bytes_for_pages_the_arena_cannot_hold() -> None:
+    pages = pages_of(SPECS[0], 8)
+    arena = HostArena(pages[0].layout, PAGE, 2)
+    ram = RamTier(10 * arena.slot_bytes, source=Digests())
+    ram.attach_arena(arena)
+    other = pages_of(SPECS[1], 8)[0].to_bytes()
+    assert ram.fill(key(9), other, b"\x01", prefix_tokens=1 << 20)
+    assert not ram.in_arena([key(9)])
+    assert ram.get(key(9), b"\x01") == other
+    assert ram.fill(key(1), b"not a page", b"\x01", prefix_tokens=1 << 20)
+    assert ram.get(key(1), b"\x01") == b"not a page"
+    ram.clear()
+    assert ram.status().used_bytes == 0 and arena.free_slots == 2
