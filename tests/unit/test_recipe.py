@@ -205,8 +205,10 @@ def test_the_checked_in_roster_certifies_gemma3_for_l1_only() -> None:
             "append_import_exact",
             "restart_exact",
             "lone_decode_exact",
+            "layer_copy_exact",
         }
         assert "llama_kv_cache_iswa" in report["failed"]["append_import_exact"]
+        assert "llama_kv_cache_iswa" in report["failed"]["layer_copy_exact"]
 
 
 def test_verdict_json_lists_the_lanes_it_allows() -> None:
@@ -224,7 +226,8 @@ def test_verdict_json_lists_the_lanes_it_allows() -> None:
     }
     full = decide(RECIPE, ROSTER, KEY)
     assert full.reason.endswith(
-        "stock paths for page_restore_exact, l1_stream_copy_exact, restart_exact, lone_decode_exact"
+        "stock paths for page_restore_exact, l1_stream_copy_exact, restart_exact, "
+        "lone_decode_exact, layer_copy_exact"
     )
 
 
