@@ -67,7 +67,9 @@ def test_l2_restores_from_the_arena_exactly(
         assert (llm.arena_refusal is None) == arena, llm.arena_refusal
         llm.eval(doc + first)  # recorded into L3
         llm.recorder.flush()
-        tiers, cached, exact = [], [], []
+        tiers: list[str | None] = []
+        cached: list[int] = []
+        exact: list[bool] = []
         # L3 serves until its second fill promotes the pages (the first request may read the
         # record still in flight to L3, which is no fill); then L2, twice
         while tiers.count("l2") < 2 and len(tiers) < 6:
