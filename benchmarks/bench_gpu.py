@@ -52,6 +52,9 @@ from skippy_llama.runtime import native, seam
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
+#: L2's budget in the L2 arms: room for a 32k-token prefix of the 1.1B F16 model (700 MB) with
+#: its host arena small enough to be page-locked at load (``arena_setup.PIN_ARENA_MAX_BYTES``)
+L2_BUDGET = "4GiB"
 
 
 def _logits(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
@@ -127,9 +130,9 @@ def bench_size(
         tiers: list[tuple[str, dict[str, Any]]] = [
             ("l3", {"l1": False}),
             ("l3_one_import", {"l1": False}),
-            ("l2", {"l1": False, "l2": "32GiB"}),
-            ("l2_blob", {"l1": False, "l2": "32GiB"}),
-            ("l2_chunked", {"l1": False, "l2": "32GiB"}),
+            ("l2", {"l1": False, "l2": L2_BUDGET}),
+            ("l2_blob", {"l1": False, "l2": L2_BUDGET}),
+            ("l2_chunked", {"l1": False, "l2": L2_BUDGET}),
         ]
         # each L3 reader records its own query's pages: the one-import reader gets a copy of
         # the store as the recorder left it, so both restore the same prefix

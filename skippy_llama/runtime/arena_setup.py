@@ -22,6 +22,12 @@ from .seam import KVSeam
 
 log = logging.getLogger("skippy_llama")
 
+#: The largest arena that is page-locked (CUDA builds). Registering locks and commits all of it at
+#: load (measured on an H100: 53-62 ms per 720 MB, ``skippy_llama/pinned.py``), so an L2 budget
+#: far above what L2 holds would take that much RAM from the machine; a larger arena stays
+#: pageable (its copies are staged by the driver: slower, the same bytes).
+PIN_ARENA_MAX_BYTES = 8 << 30
+
 
 def layers_match(infos: list[native_ext.KVLayerInfo], layout: KVLayout) -> str | None:
     """Why the cache's layers (``skippy_kv_layers``) differ from ``layout`` (None: they agree)."""
@@ -63,7 +69,7 @@ def attach_arena(
     if n <= 0:
         return "the L2 budget is smaller than one page"
     arena = HostArena(layout, cache.page_tokens, n)
-    if pinner is not None and pinner.pin(arena.buffer):
+    if pinner is not None and arena.nbytes <= PIN_ARENA_MAX_BYTES and pinner.pin(arena.buffer):
         ram.arena_pinned = True
         arena.on_close = lambda: pinner.unpin(arena.buffer)
     ram.attach_arena(arena)
