@@ -29,6 +29,7 @@ from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
 from ..plan import FetchedPage, PageRef, PageSource, RestoreOutcome, RestorePlan
 from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
+from ..state.pages import state_bytes
 from ..tiers.arena import ArenaSlot, HostArena
 from ..tiers.base import ParkPlan
 from . import native, native_ext
@@ -301,7 +302,8 @@ class KVSeam:
         return RestoreOutcome(
             plan,
             restored=True,
-            restored_bytes=cells * layout.kv_bytes_per_cell,
+            # the state bytes the same cells take as a blob, so L2's rate compares across paths
+            restored_bytes=state_bytes(layout, cells),
             fetched=fetched,
             promoted=True,  # L2 is the shallowest page tier: nothing to promote into
         )

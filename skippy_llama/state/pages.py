@@ -311,12 +311,15 @@ def assembled_size(pages: Sequence[Page], layout: KVLayout, *, start: int = 0) -
     n = pos - start
     if n == 0:
         raise StateFormatError("nothing to assemble: no pages")
+    return state_bytes(layout, n)
+
+
+def state_bytes(layout: KVLayout, n: int) -> int:
+    """Bytes of a one-section sequence state of ``n`` cells in ``layout`` (what :func:`assemble`
+    writes for them; a restore that skips the blob reports its size too, so rates compare)."""
     size = 12 + 4 * layout.n_stream + n * layout.meta_bytes_per_cell + 8
     for layer in layout.layers:
-        size += 12 + n * layer.k_row
-        size += (
-            (12 + n * layer.v_unit * layer.v_embd) if layout.v_trans else (12 + n * layer.v_unit)
-        )
+        size += 12 + n * layer.k_row + 12 + n * layer.v_bytes_per_cell()
     return size
 
 
