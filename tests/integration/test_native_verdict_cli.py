@@ -117,5 +117,5 @@ def test_status_without_a_model_prints_the_library_and_roster(tmp_path: Path) ->
         assert (
             f"    gemma3 on {backend}, K F16 / V F16, flash attention off: l1_stream_copy_exact "
             "(failed: page_restore_exact, range_export_slice, append_import_exact, "
-            "restart_exact, lone_decode_exact)\n"
+            "restart_exact, lone_decode_exact, layer_copy_exact)\n"
         ) in out
