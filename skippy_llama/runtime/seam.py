@@ -55,6 +55,20 @@ def chunks(plan: RestorePlan, layout: KVLayout) -> list[tuple[PageRef, ...]]:
     return [pages[i : i + step] for i in range(0, len(pages), step)]
 
 
+def _arena_groups(
+    pages: tuple[PageRef, ...], in_arena: Callable[[tuple[PageRef, ...]], bool]
+) -> list[tuple[bool, int, int]]:
+    """``pages`` cut into runs held in an arena or not: (held, first, end) page indices."""
+    groups: list[tuple[bool, int, int]] = []
+    for i, page in enumerate(pages):
+        held = bool(in_arena((page,)))
+        if groups and groups[-1][0] == held:
+            groups[-1] = (held, groups[-1][1], i + 1)
+        else:
+            groups.append((held, i, i + 1))
+    return groups
+
+
 def arena_spans(
     arena: HostArena, parts: list[tuple[ArenaSlot, int, int]]
 ) -> list[native_ext.HostSpan]:
@@ -232,8 +246,14 @@ class KVSeam:
             # a source with an arena (TierPages) says so; other sources (tests' fakes) have none
             in_arena = getattr(source, "in_arena", None)
             arena_read = getattr(source, "arena_read", None)
-            if in_arena is not None and arena_read is not None and in_arena(plan.pages):
-                return self._from_arena(plan, arena_read, layout, append, notes, faults)
+            if in_arena is not None and arena_read is not None:
+                if in_arena(plan.pages):
+                    return self._from_arena(plan, arena_read, layout, append, notes, faults)
+                # part in the arena: copy that part, append the rest (a pipelined restore
+                # keeps its overlap of reads and imports instead, reading L2 pages as bytes)
+                groups = _arena_groups(plan.pages, in_arena)
+                if append and not pipeline and any(held for held, _, _ in groups):
+                    return self._segmented(plan, groups, source, layout, notes, faults)
         if (
             pipeline
             and layout is not None
@@ -307,6 +327,88 @@ class KVSeam:
             fetched=fetched,
             promoted=True,  # L2 is the shallowest page tier: nothing to promote into
         )
+
+    def _segmented(
+        self,
+        plan: RestorePlan,
+        groups: list[tuple[bool, int, int]],
+        source: PageSource,
+        layout: KVLayout,
+        notes: list[str],
+        faults: list[str],
+    ) -> RestoreOutcome:
+        """A plan whose pages are partly in L2's arena, partly elsewhere (a prefix that grew
+        past what L2 holds): each run of arena pages is copied per layer from the arena, each
+        other run read, assembled and append-imported, in position order. A short read ends
+        the restore where the pages end; a failure clears what this restore added."""
+        arena_read = getattr(source, "arena_read")  # noqa: B009 - _try checked it is there
+        base = plan.base_tokens
+        done = 0  # pages restored
+        fetched: list[FetchedPage] = []
+        try:
+            if base:
+                self._place_base(plan)
+            else:
+                self.cut()
+            for held, i0, i1 in groups:
+                refs = plan.pages[i0:i1]
+                if held:
+                    with arena_read(refs) as read:
+                        if read is None:
+                            break
+                        arena, slots = read
+                        if slots:
+                            self._copy_slots(plan, arena, slots, i0)
+                    fetched += [FetchedPage(r.tier, r.key, b"") for r in refs[: len(slots)]]
+                    n_got = len(slots)
+                else:
+                    got = source.fetch(refs)
+                    if got:
+                        buf, size = self._assemble(plan, got, i0, layout)
+                        try:
+                            if not native_ext.append_import(
+                                self.ctx, memoryview(buf)[:size], WORKING_SEQ
+                            ):
+                                raise TierError("skippy_state_seq_append_data refused the pages")
+                        finally:
+                            self.buffers.give(buf)
+                    fetched += got
+                    n_got = len(got)
+                done = i0 + n_got
+                if n_got < len(refs):
+                    break
+        except Exception as exc:
+            return self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
+        n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[done:])
+        outcome = RestoreOutcome(
+            plan,
+            restored=True,
+            restored_bytes=state_bytes(layout, n_tokens - base),
+            fetched=tuple(fetched),
+        )
+        if done < len(plan.pages):
+            notes.append(plan.short_note(done))
+            faults.append(f"{plan.pages[done].tier}_short_read")
+            if n_tokens <= plan.floor or n_tokens <= base:
+                self.cut(self._intact(plan))  # a shallower plan does at least as well
+                return RestoreOutcome(plan, failed=True)
+            outcome.plan = plan.truncated(n_tokens)
+        return outcome
+
+    def _copy_slots(
+        self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], first: int
+    ) -> None:
+        """Append the cells of pages ``first ..`` of ``plan``, held in ``slots``, from the arena."""
+        base = plan.base_tokens if first == 0 else 0
+        parts: list[tuple[ArenaSlot, int, int]] = []
+        for ref, slot in zip(plan.pages[first : first + len(slots)], slots, strict=True):
+            lo, end = max(slot.start, base), slot.start + ref.used
+            if lo < end:
+                parts.append((slot, lo, end))
+        if not parts:
+            raise StateFormatError("the arena's pages hold none of the planned cells")
+        if not native_ext.cells_set(self.ctx, WORKING_SEQ, parts[0][1], arena_spans(arena, parts)):
+            raise TierError("skippy_kv_cells_set refused the arena's cells")
 
     def _import_arena(
         self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], append: bool

@@ -142,3 +142,61 @@ def test_a_refused_arena_copy_falls_back_to_l3_exactly(
         assert (last_logits(llm) == cold).all()
     finally:
         llm.close()
+
+
+def test_a_prefix_past_l2_copies_the_arena_part_and_appends_the_rest(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    llm0 = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
+    try:
+        tokens = llm0.tokenize((TEXT * 8).encode())[:1100]
+    finally:
+        llm0.close()
+    doc, longer = tokens[:DOC], tokens[:900]
+    tail_a, tail_b = tokens[1000:1040], tokens[1040:1100]
+    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=N_CTX, n_batch=512, verbose=False)
+    try:
+        plain.eval(longer + tail_b)
+        cold = last_logits(plain)
+    finally:
+        plain.close()
+    settings = Settings(
+        l1={"enabled": False},
+        l2={"budget": "64MiB"},
+        l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"},
+    )
+    llm = SkippyLlama(
+        str(smollm2_path),
+        n_ctx=N_CTX,
+        n_batch=512,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=AlwaysRestore(),
+    )
+    try:
+        if llm.arena_refusal is not None:
+            pytest.skip(f"no arena on this build: {llm.arena_refusal}")
+        ram = llm.prefix_cache.ram
+        assert ram is not None
+        llm.eval(doc + tail_a)
+        llm.recorder.flush()
+        for _ in range(6):  # until L3's second fill promotes the document's pages into L2
+            llm.reset()
+            llm.eval(doc + tail_b)
+            if ram.status().pages:
+                break
+        # the longer prefix's later pages go to L3 only (one fill: not promoted)
+        llm.reset()
+        llm.eval(longer + tail_a)
+        llm.recorder.flush()
+        before = ram.status().arena_hits
+        llm.reset()
+        llm.eval(longer + tail_b)
+        event = llm.last_cache_event
+        assert event is not None
+        # the document's pages came from the arena, the rest from L3, appended after them
+        assert ram.status().arena_hits > before
+        assert event.cached_tokens > 768 and event.fallbacks == []
+        assert (last_logits(llm) == cold).all()
+    finally:
+        llm.close()
