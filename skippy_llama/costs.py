@@ -11,9 +11,19 @@ model, so each rate has one estimator, fed at one point:
   makes the disk look slow;
 - ``checkpoint_restore_seconds`` / ``park_seconds``: L1 device checkpoints, whose state calls
   have a fixed cost that does not shrink with the prefix on GPU builds (measured on an H200:
-  ~60 ms for 64 or 4,096 tokens, one synchronized copy per layer's K and V).
+  ~60 ms for 64 or 4,096 tokens, one synchronized copy per layer's K and V);
+- ``bus_seconds_per_byte``: what moving K/V bytes from host memory to where the cells live
+  costs at best (host to device on a GPU build, a memory copy on the CPU), from the runtime's
+  load-time probe (``runtime/bus.py``): the floor under every page restore.
 
 Until a rate is measured its rule answers yes (restore, park): that is how it gets measured.
+With the bus probed, a page tier not yet measured is planned at the bus's rate (a restore the
+bus itself cannot make faster than the prefill is not tried), and the bus's rate is the prior of
+that tier's moving average: a process's first restore, which alone pays one-time costs (fresh
+buffers' page faults, opening the store, pinning), moves the average by ``alpha`` instead of
+becoming it. Issue 45 measured the other way on an H100: a first L3 restore took 1.61× a cold
+prefill, became L3's rate, and the planner then refused L3 for that prefix, so it was never
+measured again.
 Replace the model to change the rules: :class:`AlwaysRestore` restores and parks whenever the
 tiers can, whatever the measurements say (tests of which tier serves a prompt use it; an
 operator can too).
@@ -50,6 +60,8 @@ class CostModel:
         #: one L1 device-checkpoint restore, and one park (checkpoint) of a prefix
         self.checkpoint_restore_seconds: float | None = None
         self.park_seconds: float | None = None
+        #: seconds per byte the bus takes at best (see the module docstring; None: not probed)
+        self.bus_seconds_per_byte: float | None = None
         self._lock = threading.Lock()
 
     def _ewma(self, old: float | None, sample: float) -> float:
@@ -76,7 +88,17 @@ class CostModel:
         if n_bytes <= 0 or not self._valid(seconds):
             return
         with self._lock:
-            self.restore_rates[tier] = self._ewma(self.restore_rates.get(tier), seconds / n_bytes)
+            # a tier's first restore starts from the bus's rate (see the module docstring)
+            old = self.restore_rates.get(tier, self.bus_seconds_per_byte)
+            self.restore_rates[tier] = self._ewma(old, seconds / n_bytes)
+
+    def observe_bus(self, n_bytes: int, seconds: float) -> None:
+        """The load-time probe moved ``n_bytes`` host to device (or host to host on the CPU)
+        in ``seconds`` at best; replaces an earlier probe's rate (nonsense is ignored)."""
+        if n_bytes <= 0 or seconds <= 0 or not self._valid(seconds):
+            return
+        with self._lock:
+            self.bus_seconds_per_byte = seconds / n_bytes
 
     def observe_checkpoint_restore(self, seconds: float) -> None:
         """Restoring one L1 checkpoint into the working sequence took ``seconds``."""
@@ -109,16 +131,19 @@ class CostModel:
         return None if rate is None else rate * tokens
 
     def restore_cost(self, n_bytes: int, *, tier: str) -> float | None:
-        """Estimated seconds to restore ``n_bytes`` of pages whose deepest source is ``tier``,
-        or None before such a restore was measured."""
+        """Estimated seconds to restore ``n_bytes`` of pages whose deepest source is ``tier``:
+        at ``tier``'s measured rate, else at the probed bus's (a floor), else None."""
         rate = self.restore_rate(tier)
+        if rate is None:
+            rate = self.bus_seconds_per_byte
         return None if rate is None else rate * n_bytes
 
     # -- the rules the planner asks -------------------------------------------------------
 
     def pages_pay(self, moved_bytes: int, saved_tokens: int, *, tier: str) -> bool:
         """Whether restoring ``moved_bytes`` of pages (deepest source ``tier``) beats
-        prefilling the ``saved_tokens`` the restore spares (True until both are measured)."""
+        prefilling the ``saved_tokens`` the restore spares (True until both are measured; an
+        unmeasured tier is estimated at the probed bus's rate)."""
         restore = self.restore_cost(moved_bytes, tier=tier)
         cold = self.cold_cost(saved_tokens)
         return restore is None or cold is None or restore < cold

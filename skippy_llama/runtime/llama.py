@@ -42,6 +42,7 @@ from ..tiers.factory import build_point_tiers, wants_pages
 from ..tiers.l3.trace import TraceWriter
 from . import probes, repair
 from .arena_setup import attach_arena
+from .bus import BusRate, bus_rate
 from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
@@ -149,8 +150,8 @@ class SkippyLlama(llama_cpp.Llama):
         #: import is a memcpy with nothing to hide behind: 4-7k SmolLM2 tokens measured even to
         #: 1.4x slower (``benchmarks/results/restore-chunked-cpu-s39.json``), so it is off.
         self.pipeline_restores = not on_cpu
+        offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)
         if settings.pin_host_buffers:
-            offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)
             self.seam.buffers.pinner = cuda_pinner(backend_name(), offloaded)
         window = int(llama_cpp.llama_model_n_swa(self._model.model))
         seq.sliding_window = window > 0
@@ -164,6 +165,15 @@ class SkippyLlama(llama_cpp.Llama):
             self, settings, layout, split_dependent=seq.granule > 1
         )
         costs = cost_model if cost_model is not None else CostModel()
+        #: What the load-time bus probe measured (``runtime/bus.py``), where pages may be
+        #: restored (None elsewhere, or when it failed): page tiers not yet measured are planned
+        #: at this rate.
+        self.bus: BusRate | None = None
+        if layout is not None and layout.pageable:
+            pinned = self.seam.buffers.pinner is not None
+            self.bus = bus_rate(backend_name(), kv_offloaded=offloaded, pinned=pinned)
+            if self.bus is not None:
+                costs.observe_bus(self.bus.n_bytes, self.bus.seconds)
         self.prefix_cache = open_cache(
             settings,
             self.cache_identity,

@@ -17,6 +17,7 @@ def cache_status(seq: WorkingSequence, cache: PrefixCache, l1_budget_tokens: int
     used = resident.used_tokens if resident is not None else 0
     pinner = seq.seam.buffers.pinner
     n_ctx = seq.llm.n_ctx()
+    bus = cache.costs.bus_seconds_per_byte
     return {
         "caching": seq.caching,
         "disabled_reason": seq.disabled_reason,
@@ -24,6 +25,8 @@ def cache_status(seq: WorkingSequence, cache: PrefixCache, l1_budget_tokens: int
         "granule": seq.granule,
         "lone_decodes_exact": seq.lone_decodes_exact,
         "pinned_host_buffers": pinner.stats() if pinner is not None else None,
+        # the load-time bus probe's rate (runtime/bus.py), where pages may be restored
+        "bus_gb_per_s": round(1e-9 / bus, 2) if bus else None,
         "native": seq.verdict.to_json(),
         "kv_bytes_per_token": per_token,
         "context_kv_bytes": per_token * n_ctx,

@@ -512,3 +512,22 @@ def test_host_buffers_are_pinned_only_on_cuda_with_kv_offloaded(smollm2_path: Pa
                 assert status is None and llm.seam.buffers.pinner is None
         finally:
             llm.close()
+
+
+def test_the_bus_is_probed_where_pages_may_be_restored(smollm2_path: Path, tmp_path: Path) -> None:
+    """Issue 45: with a page tier on, loading probes the bus and page restores no tier has
+    measured yet are planned at its rate; with L1 alone nothing is probed."""
+    l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"}
+    for settings, probed in ((Settings(l3=l3), True), (Settings(), False)):
+        llm = SkippyLlama(str(smollm2_path), n_ctx=512, verbose=False, cache_settings=settings)
+        try:
+            costs = llm.prefix_cache.costs
+            status = llm.cache_status()["bus_gb_per_s"]
+            if probed:
+                assert llm.bus is not None and status is not None and status > 0
+                assert costs.bus_seconds_per_byte == llm.bus.seconds_per_byte
+                assert costs.restore_cost(10**6, tier="l3") is not None
+            else:
+                assert llm.bus is None and status is None and costs.bus_seconds_per_byte is None
+        finally:
+            llm.close()

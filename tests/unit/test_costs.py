@@ -105,3 +105,46 @@ def test_always_restore_says_yes_to_every_rule_but_still_measures() -> None:
     costs.observe_restore(10**9, 100.0, tier="l3")
     assert costs.checkpoint_pays(1) and costs.park_pays(1) and costs.pages_pay(10**9, 1, tier="l3")
     assert costs.prefill_seconds_per_token is not None
+
+
+def test_an_unmeasured_tier_is_planned_at_the_probed_bus_rate() -> None:
+    """Issue 45: with the bus probed, a tier not yet measured is estimated at the bus's rate,
+    a floor: a restore the bus alone cannot make faster than the prefill is not tried."""
+    costs = CostModel()
+    costs.observe_bus(10**6, 0.001)  # 1 GB/s: 1 ns a byte
+    assert costs.restore_cost(10**6, tier="l3") == pytest.approx(0.001)
+    assert costs.pages_pay(10**9, 1, tier="l3")  # no prefill measured yet: restore
+    costs.observe_prefill(1000, 1.0)  # 1 ms a token
+    assert costs.pages_pay(10**6, 2, tier="l3")
+    assert not costs.pages_pay(10**7, 9, tier="l3")  # 10 ms of bus for 9 ms of prefill
+    assert costs.restore_rate("l3") is None  # the floor is no measurement of the tier
+
+
+def test_a_first_slow_restore_does_not_make_the_tier_refused() -> None:
+    """The bus's rate is the prior of a tier's average: a process's first restore, which
+    alone pays one-time costs, moves it by alpha. Unprobed, that restore became the rate and
+    the planner refused the tier from then on (issue 45: 1.61x a cold prefill on an H100)."""
+    cold_s = 0.100  # 100 tokens at 1 ms
+    first_s = 1.61 * cold_s
+    unprobed, probed = CostModel(), CostModel()
+    probed.observe_bus(10**6, 0.0005)
+    for costs in (unprobed, probed):
+        costs.observe_prefill(1000, 1.0)
+        costs.observe_restore(10**6, first_s, tier="l3")
+    assert not unprobed.pages_pay(10**6, 100, tier="l3")
+    assert probed.pages_pay(10**6, 100, tier="l3")
+    assert probed.restore_rate("l3") == pytest.approx(0.8 * 5e-10 + 0.2 * first_s / 10**6)
+    # a tier really slower than the prefill is refused after a few restores all the same
+    for _ in range(4):
+        probed.observe_restore(10**6, first_s, tier="l3")
+    assert not probed.pages_pay(10**6, 100, tier="l3")
+
+
+def test_nonsense_bus_probes_teach_nothing() -> None:
+    costs = CostModel()
+    for n_bytes, seconds in ((0, 0.001), (10**6, 0.0), (10**6, -1.0), (10**6, float("nan"))):
+        costs.observe_bus(n_bytes, seconds)
+    assert costs.bus_seconds_per_byte is None
+    assert costs.restore_cost(10**6, tier="l3") is None
+    costs.observe_restore(10**6, 0.01, tier="l3")
+    assert costs.restore_rate("l3") == pytest.approx(1e-8)  # the first sample, no prior
