@@ -97,7 +97,10 @@ class PrefixCache:
         #: the resident tier (L1), if any: parks and checkpoint restores go through it
         self._l1 = next((t for t in self.tiers if isinstance(t, ResidentTier)), None)
         self._prefetcher = Prefetcher(self.planner)
-        takes = [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records]
+        # sorted once (the request path asks every time; a protocol isinstance is slow)
+        self._page_tiers = tuple(t for t in self.tiers if isinstance(t, PageTier))
+        self._record_tiers = tuple(t for t in self._page_tiers if t.takes_records)
+        takes = self._record_tiers
         self.trace = TraceWriter.from_settings(trace_file, page_tokens) if takes else None
         if self.trace is not None:
             weakref.finalize(self, self.trace.close)
@@ -129,10 +132,10 @@ class PrefixCache:
     @property
     def takes_records(self) -> bool:
         """Whether any tier takes the runtime's records (L3, a remote store ...)."""
-        return any(isinstance(t, PageTier) and t.takes_records for t in self.tiers)
+        return bool(self._record_tiers)
 
     def _recorders(self) -> list[PageTier]:
-        return [t for t in self.tiers if isinstance(t, PageTier) and t.takes_records and t.serving]
+        return [t for t in self._record_tiers if t.serving]
 
     @property
     def counters(self) -> CacheCounters:
@@ -176,8 +179,8 @@ class PrefixCache:
             for fault in outcome.faults:
                 _bump(counters.fallbacks, fault)
         for name in planned.searched:
-            tier = self.tier(name)
-            if isinstance(tier, PageTier):
+            tier = next((t for t in self._page_tiers if t.name == name), None)
+            if tier is not None:
                 tier.note_miss()
         served = outcome.plan
         if served.seq_id is not None and self._l1 is not None:
