@@ -65,8 +65,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--l3-compression",
         choices=("auto", "zstd", "none"),
         default=None,
-        help="how L3 stores pages: zstd (lossless), none, or auto (the default: zstd on CPU "
-        "builds, none on GPU builds)",
+        help="how L3 stores pages: zstd (lossless, ~0.86 of the bytes), none, or auto (the "
+        "default: none)",
     )
     group.add_argument(
         "--l3-codec",

@@ -168,9 +168,11 @@ def _disk(context: TierContext) -> DiskTier | None:
         return None
     l3 = settings.l3
     if l3.compression == "auto":
-        # a GPU prefill outruns single-page decompression: store pages as they are there
-        codec = "zstd" if context.backend == "CPU" else "none"
-        l3 = l3.model_copy(update={"compression": codec})
+        # pages are stored as they are (issue 45): a GPU prefill outruns single-page
+        # decompression, and on the CPU zstd took 128 ms of the writer's CPU per 500 tokens
+        # (SmolLM2; the decode's threads waited for that core) and ~100 ms of a 3,900-token
+        # restore, to store 0.86 of the bytes (benchmarks/results/record-path-s45.json)
+        l3 = l3.model_copy(update={"compression": "none"})
     identity = context.identity
     # the costs this model measured on this backend in earlier processes, kept in the store
     disk = DiskTier(
