@@ -176,6 +176,21 @@ llm = SkippyLlama(str(default_model_path()), n_ctx=4096, verbose=False, seed=1,
 rng = np.random.default_rng(45)
 tokens = [int(t) for t in rng.integers(100, llm.n_vocab() - 100, n + 16)]
 out = {"mode": mode, "step": step, "bus": llm.bus.to_json() if llm.bus else None}
+# where a restore's time goes: the pages' fetch (read, verify, decode), their assembly into one
+# state blob, its import (wrapped here, in the benchmark only)
+phases = {"fetch_ms": 0.0, "assemble_ms": 0.0, "import_ms": 0.0}
+def timed(obj, name, key):
+    real = getattr(obj, name)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            phases[key] += (time.perf_counter() - t0) * 1e3
+    setattr(obj, name, wrapper)
+timed(llm.prefix_cache.pages, "fetch", "fetch_ms")
+timed(llm.seam, "_assemble", "assemble_ms")
+timed(llm.seam, "_import", "import_ms")
 if step == "write":
     t0 = time.perf_counter()
     llm.eval(tokens[:n])
@@ -185,13 +200,16 @@ else:
     events = []
     for _ in range(2):
         llm.reset()
+        for key in phases:
+            phases[key] = 0.0
         t0 = time.perf_counter()
         llm.eval(tokens)
         wall = time.perf_counter() - t0
         e = llm.last_cache_event
         events.append({"tier": e.tier, "cached_tokens": e.cached_tokens,
                        "lookup_ms": e.lookup_ms, "restore_ms": e.restore_ms,
-                       "prefill_ms": e.prefill_ms, "wall_s": wall})
+                       "prefill_ms": e.prefill_ms, "wall_s": wall,
+                       **{k: round(v, 3) for k, v in phases.items()}})
     out["restores"] = events
 llm.close()
 print(json.dumps(out))
@@ -226,7 +244,9 @@ def first_restores(modes: list[str], n: int, reads: int) -> list[dict[str, Any]]
                 f"{mode} read {i}: first {first['tier']} {first['cached_tokens']} tok "
                 f"lookup {first['lookup_ms']:.1f} + restore {first['restore_ms']:.1f} ms; "
                 f"next {second['tier']} {second['lookup_ms']:.1f} + "
-                f"{second['restore_ms']:.1f} ms; cold {wrote['cold_s']:.2f} s",
+                f"{second['restore_ms']:.1f} ms; cold {wrote['cold_s']:.2f} s; first: fetch "
+                f"{first['fetch_ms']:.1f}, assemble {first['assemble_ms']:.1f}, import "
+                f"{first['import_ms']:.1f} ms",
                 flush=True,
             )
         out.append(row)
