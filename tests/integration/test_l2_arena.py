@@ -10,8 +10,10 @@ attention on (V rows) and off (V transposed, the library's default).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
+import numpy as np
 import pytest
 from modelhelpers import TEXT, last_logits
 
@@ -25,13 +27,45 @@ pytestmark = pytest.mark.model
 N_CTX = 1024
 DOC = 700  # five pages and a tail: one run of arena slots, cut inside the last page
 
+Logits = np.ndarray[Any, np.dtype[np.float32]]
 
-def _tokens(path: Path) -> list[int]:
+
+def _tokens(path: Path, repeats: int = 4, n: int = DOC + 200) -> list[int]:
     llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     try:
-        return llm.tokenize((TEXT * 4).encode())[: DOC + 200]
+        return llm.tokenize((TEXT * repeats).encode())[:n]
     finally:
         llm.close()
+
+
+def _cold_logits(path: Path, tokens: list[int], flash_attn: bool = False) -> Logits:
+    """The last logits of a one-shot prefill of ``tokens`` on plain ``Llama``."""
+    plain = llama_cpp.Llama(
+        str(path), n_ctx=N_CTX, n_batch=512, flash_attn=flash_attn, verbose=False
+    )
+    try:
+        plain.eval(tokens)
+        return last_logits(plain)
+    finally:
+        plain.close()
+
+
+def _arena_llama(path: Path, store: Path, flash_attn: bool = False) -> SkippyLlama:
+    """SkippyLlama with L1 off, a 64 MiB L2 and an L3 in ``store``; every restore taken."""
+    settings = Settings(
+        l1={"enabled": False},
+        l2={"budget": "64MiB"},
+        l3={"mode": "fixed", "budget": "1GiB", "directory": str(store), "minimum_free": "1GiB"},
+    )
+    return SkippyLlama(
+        str(path),
+        n_ctx=N_CTX,
+        n_batch=512,
+        flash_attn=flash_attn,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=AlwaysRestore(),
+    )
 
 
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa_off", "fa_on"])
@@ -40,28 +74,8 @@ def test_l2_restores_from_the_arena_exactly(
 ) -> None:
     tokens = _tokens(smollm2_path)
     doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    plain = llama_cpp.Llama(
-        str(smollm2_path), n_ctx=N_CTX, n_batch=512, flash_attn=flash_attn, verbose=False
-    )
-    try:
-        plain.eval(doc + query)
-        cold = last_logits(plain)
-    finally:
-        plain.close()
-    settings = Settings(
-        l1={"enabled": False},
-        l2={"budget": "64MiB"},
-        l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"},
-    )
-    llm = SkippyLlama(
-        str(smollm2_path),
-        n_ctx=N_CTX,
-        n_batch=512,
-        flash_attn=flash_attn,
-        verbose=False,
-        cache_settings=settings,
-        cost_model=AlwaysRestore(),
-    )
+    cold = _cold_logits(smollm2_path, doc + query, flash_attn)
+    llm = _arena_llama(smollm2_path, tmp_path, flash_attn)
     try:
         arena = llm.native_verdict.layer_copy
         assert (llm.arena_refusal is None) == arena, llm.arena_refusal
@@ -100,25 +114,8 @@ def test_a_refused_arena_copy_falls_back_to_l3_exactly(
 ) -> None:
     tokens = _tokens(smollm2_path)
     doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=N_CTX, n_batch=512, verbose=False)
-    try:
-        plain.eval(doc + query)
-        cold = last_logits(plain)
-    finally:
-        plain.close()
-    settings = Settings(
-        l1={"enabled": False},
-        l2={"budget": "64MiB"},
-        l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"},
-    )
-    llm = SkippyLlama(
-        str(smollm2_path),
-        n_ctx=N_CTX,
-        n_batch=512,
-        verbose=False,
-        cache_settings=settings,
-        cost_model=AlwaysRestore(),
-    )
+    cold = _cold_logits(smollm2_path, doc + query)
+    llm = _arena_llama(smollm2_path, tmp_path)
     try:
         if llm.arena_refusal is not None:
             pytest.skip(f"no arena on this build: {llm.arena_refusal}")
@@ -147,32 +144,11 @@ def test_a_refused_arena_copy_falls_back_to_l3_exactly(
 def test_a_prefix_past_l2_copies_the_arena_part_and_appends_the_rest(
     smollm2_path: Path, tmp_path: Path
 ) -> None:
-    llm0 = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
-    try:
-        tokens = llm0.tokenize((TEXT * 8).encode())[:1100]
-    finally:
-        llm0.close()
+    tokens = _tokens(smollm2_path, repeats=8, n=1100)
     doc, longer = tokens[:DOC], tokens[:900]
     tail_a, tail_b = tokens[1000:1040], tokens[1040:1100]
-    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=N_CTX, n_batch=512, verbose=False)
-    try:
-        plain.eval(longer + tail_b)
-        cold = last_logits(plain)
-    finally:
-        plain.close()
-    settings = Settings(
-        l1={"enabled": False},
-        l2={"budget": "64MiB"},
-        l3={"mode": "fixed", "budget": "1GiB", "directory": str(tmp_path), "minimum_free": "1GiB"},
-    )
-    llm = SkippyLlama(
-        str(smollm2_path),
-        n_ctx=N_CTX,
-        n_batch=512,
-        verbose=False,
-        cache_settings=settings,
-        cost_model=AlwaysRestore(),
-    )
+    cold = _cold_logits(smollm2_path, longer + tail_b)
+    llm = _arena_llama(smollm2_path, tmp_path)
     try:
         if llm.arena_refusal is not None:
             pytest.skip(f"no arena on this build: {llm.arena_refusal}")
