@@ -3,6 +3,7 @@ that prompt's restore point and decodes only the rest, and answers exactly as a 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import llama_cpp
@@ -11,11 +12,35 @@ import pytest
 
 from skippy_llama import SkippyLlama
 from skippy_llama.config import Settings
-from skippy_llama.runtime import native_ext
+from skippy_llama.runtime import native, native_ext
 
 #: the patched build (patch 0004's CPU kernels): every synthetic family's restores are exact
 #: and the load-time check must turn restore points on; the stock build may refuse some
 PATCHED = native_ext.abi_version() is not None
+
+#: where the runtime takes restore points at all (``open_restore_points``): the CPU backend
+#: without BLAS, flash attention off (``LLCPP_FORCE_FA`` of tests/force_ngl turns it on). On a
+#: GPU build they are off by design and the model is served as plain ``Llama``.
+POINT_BACKEND = (
+    native.backend_name() == "CPU"
+    and "BLAS" not in native.registered_backends()
+    and not os.environ.get("LLCPP_FORCE_FA")
+)
+
+#: restore points must be on for every synthetic family: a patched build on a point backend
+PROMISED = PATCHED and POINT_BACKEND
+
+
+def points_or_skip(llm: SkippyLlama, what: str) -> None:
+    """Skip a test of restore points where the runtime does not take them (a GPU build, the
+    stock build's refusal), after asserting that it is off only where that is allowed."""
+    if llm.restore_points is not None:
+        assert POINT_BACKEND  # never on a backend the runtime does not certify
+        return
+    assert not PROMISED, f"{what}: restore points must be on with a patched build on the CPU"
+    backend = native.backend_name()
+    pytest.skip(f"{what}: restore points are off here ({backend}, patched={PATCHED})")
+
 
 pytestmark = pytest.mark.model
 
@@ -80,7 +105,8 @@ def test_extended_prompts_restore_and_match_cold(
         # where the load-time check found restores inexact (stock kernels, chunked prefills of
         # some families), the model is served as plain Llama: no event, outputs still cold's
         on = llm.restore_points is not None
-        assert on or not PATCHED
+        assert on or not PROMISED
+        assert POINT_BACKEND or not on  # a GPU build: off, served as plain Llama
         served = []
         for prompt in turns:
             tokens, logits = _greedy(llm, prompt, 5)
@@ -100,6 +126,13 @@ def test_extended_prompts_restore_and_match_cold(
 def test_text_completions_report_cached_tokens(synthetic_models: dict[str, Path]) -> None:
     llm = _skippy(synthetic_models["qwen35"])
     try:
+        if not POINT_BACKEND:  # off by design: plain Llama reports nothing cached
+            assert llm.restore_points is None
+            text = "A shared document about cats and dogs. " * 4
+            for tail in ("Question one?", "Question one? More"):
+                out = llm.create_completion(text + tail, max_tokens=3, temperature=0.0)
+                assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            return
         text = "A shared document about cats and dogs. " * 4
         llm.create_completion(text + "Question one?", max_tokens=3, temperature=0.0)
         second = llm.create_completion(text + "Question two?", max_tokens=3, temperature=0.0)
