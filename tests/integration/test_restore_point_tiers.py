@@ -189,6 +189,7 @@ def test_a_long_prompt_keeps_points_every_256_tokens(
     llm = _skippy(path, _tiers(tmp_path / "l3"), n_ctx=1024)
     try:
         points_or_skip(llm, family)
+        assert llm.restore_points is not None
         assert _check(path, llm, [*doc, 1, 2, 3]) == ("cold", 0)
         assert _check(path, llm, [*doc, 4, 5]) == ("l1", 512)
         # L3 keeps the points composed: attention pages shared through the page chain (the
