@@ -201,9 +201,11 @@ class SkippyLlama(llama_cpp.Llama):
                 self.arena_refusal = f"{type(exc).__name__}: {exc}"
                 log.warning("skippy-llama: no L2 arena (%s)", self.arena_refusal)
         #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
-        #: the paged cache refuses) where they are exact; None otherwise.
+        #: the paged cache refuses) where they are exact, and for sliding-window models when L3
+        #: is on (their pages cannot rebuild a prefix, so L3 keeps points); None otherwise.
         self.restore_points: RestorePointPath | None = None
-        if seq.disabled_reason is not None:
+        swa_points = window > 0 and settings.l3.mode != "off" and seq.disabled_reason is None
+        if seq.disabled_reason is not None or swa_points:
             root, l1 = self.cache_identity.root, settings.l1.enabled
             model = self.cache_identity.model
             owner = PointOwner(model.id, model.name or Path(model_path).name)
@@ -216,6 +218,7 @@ class SkippyLlama(llama_cpp.Llama):
                 trace=lambda: TraceWriter.from_settings(
                     settings.l3.trace_file, settings.page_tokens
                 ),
+                window=window if swa_points else 0,
             )
         self.recorder = Recorder(seq, self.prefix_cache, 0 if on_cpu else DEFER_RECORD_TOKENS)
 

@@ -25,6 +25,7 @@ L3 is copied into L2 and L1.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -57,6 +58,19 @@ _WORKING_SEQ = 0
 #: document leaves at most 255 tokens to re-decode for its next question.
 POINT_EVERY = 256
 
+#: A sliding-window (SWA) model's restore point is exact only at positions that are multiples of
+#: this many tokens and of the context's ``n_ubatch`` (:meth:`RestorePointPath.keeps`). Its state
+#: holds every cell of the full-attention layers but only the window's last ``n_swa`` cells of the
+#: SWA layers, which a restore puts in the cache's first cells: shifted by p - n_swa from where a
+#: cold prefill (plain ``Llama``'s full-size SWA cache, one cell per position) keeps them, which
+#: changes the CPU kernels' summation blocks. Measured on Gemma 3 270M Q4_K_M (CPU, flash
+#: attention off): restores at 512, 768 ... 1,792 tokens of a 2,030-token prompt gave the cold
+#: logits bit for bit, at 1,900 they were 1.69 off; shifts of 1, 88 and 148 cells failed in a
+#: one-batch probe (0.89-1.79 off). Its quantized weights also take other kernels in small
+#: batches (a split after 1 or 13 tokens was up to 1.6 off), so the rest of a prompt must be
+#: decoded in the micro-batches the cold prefill used: restore points on ``n_ubatch`` boundaries.
+SWA_ALIGN = 256
+
 
 def open_restore_points(
     seq: WorkingSequence,
@@ -66,10 +80,12 @@ def open_restore_points(
     tiers: Callable[[], list[PointTier]] = list,
     owner: PointOwner | None = None,
     trace: Callable[[], TraceWriter | None] = lambda: None,
+    window: int = 0,
 ) -> RestorePointPath | None:
-    """Restore points for the working sequence ``seq`` when its model is recurrent or hybrid and
-    this build makes its restores exact, else None (the model is then served as plain
-    ``Llama``, as before).
+    """Restore points for the working sequence ``seq`` when its model is recurrent or hybrid,
+    or has a sliding window of ``window`` (> 0) cells, and this build makes its restores exact,
+    else None (a recurrent or hybrid model is then served as plain ``Llama``, as before; a
+    sliding-window model by the paged cache's L1).
 
     Asks for what the load-time check relies on: L1 on (``l1_enabled``), no embeddings or
     per-token logits rows (restored tokens come without them), the CPU backend without BLAS and
@@ -80,7 +96,7 @@ def open_restore_points(
     ``owner``.
     """
     llm = seq.llm
-    if not (llm._is_recurrent or llm._is_hybrid) or not l1_enabled:
+    if not (llm._is_recurrent or llm._is_hybrid or window > 0) or not l1_enabled:
         return None
     p = llm.context_params
     flash = p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -88,17 +104,28 @@ def open_restore_points(
         return None
     if native.backend_name() != "CPU" or "BLAS" in native.registered_backends():
         return None
-    if not restores_exactly(llm._model.model, llm.ctx):
+    # the load-time probe splits prompts into tiny batches, which a quantized SWA model's
+    # kernels do not reproduce; its points sit on micro-batch boundaries instead (SWA_ALIGN)
+    if window <= 0 and not restores_exactly(llm._model.model, llm.ctx):
         log.info("skippy-llama: restores are not exact for this model here; no restore points")
         return None
     return RestorePointPath(
-        seq, RestorePointStore(root), tiers(), owner or PointOwner(), trace=trace()
+        seq,
+        RestorePointStore(root),
+        tiers(),
+        owner or PointOwner(),
+        trace=trace(),
+        window=window,
     )
 
 
 class RestorePointPath:
-    """Serves ``SkippyLlama.generate`` of a recurrent or hybrid model from restore points:
-    the process's own ``store`` (L1), then ``tiers`` in order (L2, L3)."""
+    """Serves ``SkippyLlama.generate`` of a recurrent, hybrid or sliding-window model from
+    restore points: the process's own ``store`` (L1), then ``tiers`` in order (L2, L3).
+
+    ``window``: the model's sliding window (0: none). Its points are kept only where they
+    restore exactly (:data:`SWA_ALIGN`), and the restore starts from an empty cache so the
+    window's cells land where they did at capture."""
 
     def __init__(
         self,
@@ -108,6 +135,7 @@ class RestorePointPath:
         owner: PointOwner | None = None,
         every: int = POINT_EVERY,
         trace: TraceWriter | None = None,
+        window: int = 0,
     ) -> None:
         self.seq = seq
         self.store = store
@@ -116,6 +144,11 @@ class RestorePointPath:
         self.every = every
         #: ``l3.trace_file``'s writer: lookups and points, for ``kv-cache simulate``
         self.trace = trace
+        self.window = window
+        #: where a sliding-window model's points are kept (:data:`SWA_ALIGN`)
+        self.align = math.lcm(SWA_ALIGN, int(seq.llm.context_params.n_ubatch))
+        if window > 0:
+            self.every = math.lcm(every, self.align)
 
     def generate(
         self,
@@ -142,7 +175,7 @@ class RestorePointPath:
             event.ttft_ms = (time.perf_counter() - started) * 1e3
             event.prefill_ms = event.ttft_ms - event.restore_ms
             # the prompt is decoded and its first token sampled, not yet evaluated
-            if llm.n_tokens == len(prompt):
+            if llm.n_tokens == len(prompt) and self.keeps(len(prompt)):
                 point = self._capture(prompt)
                 self.store.put(prompt, point.blob)
                 taken.append(point)
@@ -155,6 +188,10 @@ class RestorePointPath:
             for point in taken:
                 self._offer(point)
             finished(event)
+
+    def keeps(self, n: int) -> bool:
+        """Whether a point after ``n`` tokens restores exactly (always, without a window)."""
+        return self.window <= 0 or n % self.align == 0
 
     def _prefill_points(self, prompt: np.ndarray[Any, np.dtype[np.int32]]) -> list[RestorePoint]:
         """Prefill ``prompt`` from where the restore left it in chunks ending at the restore
@@ -199,7 +236,8 @@ class RestorePointPath:
         lengths = set(self.store.lengths())
         for tier in self.tiers:
             lengths.update(tier.point_lengths(root))
-        for n in sorted((n for n in lengths if 0 < n < len(prompt)), reverse=True):
+        usable = (n for n in lengths if 0 < n < len(prompt) and self.keeps(n))
+        for n in sorted(usable, reverse=True):
             head = prompt[:n]
             point = self.store.get(head)
             if point is not None:
@@ -225,6 +263,10 @@ class RestorePointPath:
             return
         tier, point = found
         llm = self.seq.llm
+        if self.window > 0:
+            # the window's cells must land in the cells they held at capture (SWA_ALIGN):
+            # the restore fills the cache from its first free cell
+            llama_cpp.llama_memory_clear(native.memory(llm.ctx), True)
         if not native.set_seq_state(llm.ctx, bytearray(point.blob), _WORKING_SEQ):
             native.seq_rm(llm.ctx, _WORKING_SEQ)
             event.fallbacks.append("restore point: llama_state_seq_set_data refused it")
