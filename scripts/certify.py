@@ -39,8 +39,16 @@ Models: SmolLM2-135M (llama) and Gemma 3 270M (gemma3, sliding-window attention,
                                          roster's "cachegen" rows, keeping the other rows as they
                                          are
 
-A run of the other lanes keeps the roster's ``cachegen`` rows, and ``--cachegen`` keeps the
-rest: each lane is re-run on its own.
+    python scripts/certify.py --restore-points  the ``restore_points`` lane only (issue 46): one
+                                         row per architecture family and backend, on the
+                                         synthetic GGUFs of every recurrent and hybrid family
+                                         (skippy_llama.testing.synthetic) and on Gemma 3 270M
+                                         (sliding window): a restore point restored and the rest
+                                         decoded gives the cold logits bit for bit, at which
+                                         positions, and the snapshot's bytes
+
+A run of the other lanes keeps the roster's ``cachegen`` and ``restore_points`` rows, and each
+of those options keeps the rest: each lane is re-run on its own.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ from skippy_llama.models import default_model_path, gemma3_model_path  # noqa: E
 from skippy_llama.roster import (  # noqa: E402
     PATCHES_DIR,
     ROSTER_PATH,
+    RestorePointRow,
     Roster,
     RosterRow,
     expected_recipe,
@@ -493,7 +502,12 @@ def certify(path: Path, patches: Path, models: list[str] | None = None) -> int:
         old = None
     backend = native.backend_name()
     kept = [r for r in old.rows if r.key.backend != backend] if old and old.recipe == want else []
-    roster = Roster(want, (*kept, *rows), old.cachegen if old is not None else ())
+    roster = Roster(
+        want,
+        (*kept, *rows),
+        old.cachegen if old is not None else (),
+        old.restore_points if old is not None else (),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(roster.to_json(), "utf-8")
     print(f"certify: wrote {path} ({len(rows)} rows)")
@@ -541,6 +555,128 @@ def certify_cachegen(
         roster = dataclasses.replace(roster, cachegen=tuple(rows))
         path.write_text(roster.to_json(), "utf-8")
     print(f"certify: wrote {path} ({len(rows)} cachegen rows)")
+    return 0
+
+
+def _gemma3_points(path: Path, backend: str) -> RestorePointRow:
+    """Gemma 3's restore points at the positions the runtime keeps (multiples of
+    ``SWA_ALIGN`` and ``n_ubatch``: 512 here) and, as the control, at one it does not keep,
+    against a cold prefill of the whole prompt by plain ``Llama`` (its full-size SWA cache)."""
+    from skippy_llama.runtime.restore_points import SWA_ALIGN
+
+    def last(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
+        return np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)
+        ).copy()
+
+    def open_() -> llama_cpp.Llama:
+        return llama_cpp.Llama(str(path), n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
+
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(3, 200_000, size=1300)]
+    cold = open_()
+    cold.eval(prompt)
+    want = last(cold)
+    cold.close()
+    llm = open_()
+    align = int(np.lcm(SWA_ALIGN, llm.context_params.n_ubatch))
+    diffs: dict[int, float] = {}
+    snapshot = 0
+    try:
+        for p in (align, 2 * align, 700):
+            llm.reset()
+            llama_cpp.llama_memory_clear(native.memory(llm.ctx), True)
+            llm.eval(prompt[:p])
+            blob = bytes(native.get_seq_state(llm.ctx, 0))
+            partial = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+            snapshot = int(llama_cpp.llama_state_seq_get_size_ext(llm.ctx, 0, partial)) - 8
+            llm.reset()
+            llama_cpp.llama_memory_clear(native.memory(llm.ctx), True)
+            if not native.set_seq_state(llm.ctx, bytearray(blob), 0):
+                diffs[p] = float("inf")
+                continue
+            llm.input_ids[:p] = prompt[:p]
+            llm.n_tokens = p
+            llm.eval(prompt[p:])
+            diffs[p] = float(np.max(np.abs(last(llm) - want)))
+    finally:
+        llm.close()
+    exact = diffs[align] == 0.0 and diffs[2 * align] == 0.0
+    return RestorePointRow(
+        architecture="gemma3",
+        memory="sliding window",
+        backend=backend,
+        flash_attn=False,
+        model=path.stem,
+        model_digest=file_digest(path),
+        exact=exact,
+        positions=f"multiples of {align} tokens",
+        snapshot_bytes=snapshot,
+        reason=(
+            f"a restore at 700 tokens was {diffs[700]:.3g} off (the window's cells land shifted "
+            "and small batches take other kernels): points only on these positions"
+            if exact
+            else f"restores at {align} and {2 * align} tokens were off by {diffs[align]:.3g} and "
+            f"{diffs[2 * align]:.3g}"
+        ),
+    )
+
+
+def certify_restore_points(path: Path, models: list[str] | None) -> int:
+    """The ``restore_points`` lane: a row per synthetic recurrent and hybrid family and for
+    Gemma 3 where it is installed; replaces those rows only."""
+    from skippy_llama.errors import ModelNotFoundError
+    from skippy_llama.runtime.restore_probe import probe_restore_points
+    from skippy_llama.testing.synthetic import FAMILIES, write_model
+
+    try:
+        roster = load_roster(path)
+    except RosterError as exc:
+        print(f"certify --restore-points: {exc}", file=sys.stderr)
+        return 1
+    if roster is None:
+        print(
+            f"certify --restore-points: no roster at {path}; run scripts/certify.py",
+            file=sys.stderr,
+        )
+        return 1
+    backend = native.backend_name()
+    rows: list[RestorePointRow] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, memory in FAMILIES.items():
+            model = write_model(Path(tmp) / f"{family}.gguf", family)
+            report = probe_restore_points(model, prompt_ends=(17, 70), chunk=16)
+            exact = report.exact and all(p.control_differs for p in report.points)
+            worst = max(p.max_abs_diff for p in report.points)
+            rows.append(
+                RestorePointRow(
+                    architecture=report.architecture,
+                    memory=memory,
+                    backend=backend,
+                    flash_attn=False,
+                    model=f"synthetic {family} (skippy_llama.testing.synthetic)",
+                    model_digest=file_digest(model),
+                    exact=exact,
+                    positions="any prompt end",
+                    snapshot_bytes=report.points[-1].snapshot_bytes,
+                    reason="" if exact else f"restore + suffix off by up to {worst:.3g}",
+                )
+            )
+            print(f"certify: {family} restore points: {'exact' if exact else 'NOT exact'}")
+    if not models or "gemma3" in models:
+        try:
+            rows.append(_gemma3_points(gemma3_model_path(), backend))
+            print(f"certify: gemma3 restore points: {rows[-1].positions}, exact={rows[-1].exact}")
+        except ModelNotFoundError as exc:
+            print(f"certify: gemma3 skipped ({exc})")
+    keep = [
+        r
+        for r in roster.restore_points
+        if not any((r.architecture, r.backend) == (n.architecture, n.backend) for n in rows)
+    ]
+    roster = dataclasses.replace(roster, restore_points=tuple(keep + rows))
+    path.write_text(roster.to_json(), "utf-8")
+    print(f"certify: wrote {path} ({len(roster.restore_points)} restore-point rows)")
     return 0
 
 
@@ -593,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cachegen", action="store_true", help="run the cachegen lane only (see above)"
     )
     parser.add_argument(
+        "--restore-points", action="store_true", help="run the restore_points lane only"
+    )
+    parser.add_argument(
         "--prompts", type=int, default=64, help="cachegen: calibration prompts (default 64)"
     )
     parser.add_argument(
@@ -615,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         return restart_child(*args.restart_child)
     if args.cachegen:
         return certify_cachegen(args.roster, args.prompts, args.held_out, args.layouts, args.models)
+    if args.restore_points:
+        return certify_restore_points(args.roster, args.models)
     if args.check:
         return check(args.roster, args.patches)
     return certify(args.roster, args.patches, args.models)

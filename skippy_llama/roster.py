@@ -196,12 +196,41 @@ class CacheGenRow:
 
 
 @dataclass(frozen=True)
+class RestorePointRow:
+    """The ``restore_points`` lane of one architecture family on one backend (issue 46): whether
+    a restore point (whole state at p, restored, the rest of the prompt decoded) gave a cold
+    prefill's logits bit for bit (``exact``), at which positions (``positions``: "any prompt
+    end", or the alignment the runtime keeps), the bytes of the part that is not per token at
+    the probed position (``snapshot_bytes``: recurrent state or sliding-window cells), and
+    ``reason`` where it is not exact or needs care."""
+
+    architecture: str
+    memory: str
+    backend: str
+    flash_attn: bool
+    model: str
+    model_digest: str
+    exact: bool
+    positions: str
+    snapshot_bytes: int
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {k: v for k, v in asdict(self).items() if k != "reason"}
+        if self.reason:
+            doc["reason"] = self.reason
+        return doc
+
+
+@dataclass(frozen=True)
 class Roster:
-    """The recipe certification ran on, the rows it certified and the CacheGen lane's rows."""
+    """The recipe certification ran on, the rows it certified, the CacheGen lane's rows and the
+    restore-point lane's rows (one per architecture family and backend)."""
 
     recipe: Recipe
     rows: tuple[RosterRow, ...]
     cachegen: tuple[CacheGenRow, ...] = ()
+    restore_points: tuple[RestorePointRow, ...] = ()
 
     def row(self, key: RowKey) -> RosterRow | None:
         return next((row for row in self.rows if row.key == key), None)
@@ -238,6 +267,13 @@ class Roster:
                 for row in sorted(
                     self.cachegen,
                     key=lambda r: (r.model, r.backend, r.type_k, r.type_v, r.flash_attn),
+                )
+            ]
+        if self.restore_points:
+            doc["restore_points"] = [
+                row.to_json()
+                for row in sorted(
+                    self.restore_points, key=lambda r: (r.architecture, r.backend, r.flash_attn)
                 )
             ]
         return json.dumps(doc, indent=2, sort_keys=False) + "\n"
@@ -296,7 +332,35 @@ def parse_roster(text: str, where: str = "roster") -> Roster:
         _cachegen_row(_mapping(item, f"{where}: cachegen[{i}]"), f"{where}: cachegen[{i}]")
         for i, item in enumerate(cachegen_doc)
     )
-    return Roster(recipe, tuple(rows), cachegen)
+    points_doc = doc.get("restore_points", [])
+    if not isinstance(points_doc, Sequence) or isinstance(points_doc, str):
+        raise RosterError(f"{where}: restore_points must be a list")
+    points = tuple(
+        _point_row(_mapping(item, f"{where}: restore_points[{i}]"), f"{where}: restore_points[{i}]")
+        for i, item in enumerate(points_doc)
+    )
+    return Roster(recipe, tuple(rows), cachegen, points)
+
+
+def _point_row(row: Mapping[str, Any], where: str) -> RestorePointRow:
+    flash, exact = row.get("flash_attn"), row.get("exact")
+    if not isinstance(flash, bool) or not isinstance(exact, bool):
+        raise RosterError(f"{where}: flash_attn and exact must be true or false")
+    reason = row.get("reason", "")
+    if not isinstance(reason, str) or (not exact and not reason):
+        raise RosterError(f"{where}: a row that is not exact needs its reason")
+    return RestorePointRow(
+        architecture=_str(row, "architecture", where),
+        memory=_str(row, "memory", where),
+        backend=_str(row, "backend", where),
+        flash_attn=flash,
+        model=_str(row, "model", where),
+        model_digest=_str(row, "model_digest", where),
+        exact=exact,
+        positions=_str(row, "positions", where),
+        snapshot_bytes=_int(row, "snapshot_bytes", where),
+        reason=reason,
+    )
 
 
 def _cachegen_row(row: Mapping[str, Any], where: str) -> CacheGenRow:

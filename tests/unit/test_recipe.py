@@ -14,6 +14,7 @@ from skippy_llama.roster import (
     PATCHES_DIR,
     SKIPPY_ABI_VERSION,
     Recipe,
+    RestorePointRow,
     Roster,
     RosterRow,
     RowKey,
@@ -170,6 +171,27 @@ def test_failed_lanes_round_trip_and_are_checked() -> None:
     assert '"failed"' not in ROSTER.to_json()  # rows without failures keep the old form
     with pytest.raises(RosterError, match="failed"):
         parse_roster(text.replace('"page_restore_exact": "why"', '"teleport": "why"'))
+
+
+def test_restore_point_rows_round_trip_and_are_checked() -> None:
+    exact = RestorePointRow("qwen35", "hybrid", "CPU", False, "m", "d", True, "any prompt end", 9)
+    refused = replace(exact, architecture="rwkv7", exact=False, reason="off by 0.5")
+    roster = Roster(RECIPE, ROSTER.rows, (), (refused, exact))
+    text = roster.to_json()
+    assert parse_roster(text).to_json() == text
+    assert set(parse_roster(text).restore_points) == {exact, refused}
+    assert '"restore_points"' not in ROSTER.to_json()  # rosters without them keep the old form
+    with pytest.raises(RosterError, match="needs its reason"):
+        parse_roster(text.replace('"reason": "off by 0.5"', '"reason": ""'))
+
+
+def test_the_checked_in_roster_has_a_restore_point_row_per_family() -> None:
+    roster = load_roster()
+    assert roster is not None
+    rows = {(r.architecture, r.backend): r for r in roster.restore_points}
+    for arch in ("mamba2", "qwen35", "granitehybrid", "lfm2", "gemma3"):
+        assert rows[(arch, "CPU")].exact, arch
+    assert rows[("gemma3", "CPU")].positions == "multiples of 512 tokens"
 
 
 def test_row_key_counts_the_sliding_window_layers() -> None:
