@@ -20,6 +20,10 @@ pages shared with every point through them, plus the state that is not per token
 (``tiers/l3/points.py``), all keyed by chain keys under the cache identity and verified on read.
 The lookup restores the deepest point, in any tier, that the prompt extends; a point served by
 L3 is copied into L2 and L1.
+
+Sliding-window models (Gemma 3), whose window of cells at p exists only at p, take the same path
+when L3 is on: there the part that is not per token is the SWA layers' window of cells, and
+points are kept only on positions where a restore is exact (:data:`SWA_ALIGN`).
 """
 
 from __future__ import annotations
