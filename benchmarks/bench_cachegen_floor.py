@@ -13,7 +13,10 @@ codec, so a codec's figures can be read against what the measure itself allows:
   quantizer that keeps the model's own K/V cache format in mind;
 - ``jitter``: the qualifier's noise floor (``jitter_page``: each value's last mantissa bit set
   at random, at most one ulp);
-- ``ulp-k0``: one value changed by one ulp (layer 0, K, token 5, channel 0).
+- ``ulp-k0``: one value changed by one ulp (layer 0, K, token 5, channel 0);
+- ``llama-q8_0`` (with ``--flash-attn``, which a quantized V cache needs): llama.cpp's own Q8_0
+  K/V cache, the whole text prefilled cold in a second context (so the scored tokens' K/V are
+  quantized too, unlike the restored-prefix variants).
 
 For every variant: argmax agreement, mean and max KL, perplexity rise, and the native top-1 to
 top-2 logit gaps at the positions where the argmax flipped (near-ties or not).
@@ -55,7 +58,7 @@ from skippy_llama.codecs.cachegen import CacheGenParams  # noqa: E402
 from skippy_llama.codecs.quality import Scores  # noqa: E402
 from skippy_llama.state import page_from_bytes  # noqa: E402
 
-F32, F16 = 0, 1
+F32, F16, Q8_0 = 0, 1, 8
 
 
 def _words(arr: np.ndarray[Any, Any], ggml_type: int) -> np.ndarray[Any, Any]:
@@ -135,9 +138,24 @@ def main() -> int:
             str(path), n_ctx=1024, n_batch=512, type_k=F16, type_v=F16,
             flash_attn=args.flash_attn, logits_all=True, verbose=False,
         )  # fmt: skip
+        q8ctx = (
+            llama_cpp.Llama(
+                str(path),
+                n_ctx=1024,
+                n_batch=512,
+                type_k=Q8_0,
+                type_v=Q8_0,
+                flash_attn=True,
+                logits_all=True,
+                verbose=False,
+            )
+            if args.flash_attn
+            else None
+        )
         P, S = q.PREFIX_PAGES * q.PAGE, q.SCORED
         texts = q.texts(llm, args.prompts, P + S + 1, False)
-        scores = {name: Scores() for name in ("cold", *variants)}
+        names = ("cold", *variants, *(("llama-q8_0",) if q8ctx else ()))
+        scores = {name: Scores() for name in names}
         flip_gaps: dict[str, list[float]] = {name: [] for name in scores}
         all_gaps: list[float] = []
         for i, tokens in enumerate(texts):
@@ -150,6 +168,10 @@ def main() -> int:
             for name, f in variants.items():
                 changed = [[f(page) for page in pages] for pages in sections]
                 outs[name] = q._teacher_forced(llm, changed, tokens)
+            if q8ctx is not None:
+                q._reset(q8ctx)
+                q._eval(q8ctx, tokens[: P + S], logits_all=True)
+                outs["llama-q8_0"] = np.array(q8ctx.scores[P : P + S], dtype=np.float32)
             top2 = np.sort(ref, axis=1)[:, -2:]
             gap = top2[:, 1] - top2[:, 0]
             all_gaps += gap.tolist()
@@ -159,6 +181,8 @@ def main() -> int:
             print(f"text {i}: " + ", ".join(f"{n} {s.argmax_agree}/{s.positions}"
                                             for n, s in scores.items()), flush=True)  # fmt: skip
         llm.close()
+        if q8ctx is not None:
+            q8ctx.close()
     gaps = np.array(all_gaps)
     result = {
         name: {
