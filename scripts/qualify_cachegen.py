@@ -17,11 +17,13 @@ Beside the candidates, the *noise floor* of the measure is scored on the same ca
 positions and recorded in the row (``floor_*``, reported, not gated): the prefix restored from
 native pages whose every K/V value has its last mantissa bit set at random (:func:`jitter_page`,
 at most one ulp: 2**-10 of the value in F16, four times finer than any 8-bit quantizer's half
-step). On SmolLM2 Q4_1 this null codec alone scores about 95 % argmax agreement and KL 0.0036:
-ggml's CPU matmul quantizes the activations to 8 bits per 32 values (Q8_1) for Q4_1 weights, so
-any change of the restored K/V, however small, moves the logits as much as 8-bit quantization
-does, and the near-ties flip (the same pages through an F32 copy of the model: KL 1e-4 and 99 %
-at 8 bits, 4e-7 for the floor). A candidate can only be judged against its model's floor.
+step). On SmolLM2 Q4_1 this null codec alone scores 96.78 % argmax agreement and KL 0.0035 (16
+texts, ``benchmarks/bench_cachegen_floor.py``), where CacheGen at 8 bits scores 96.88 % and
+0.0037: ggml's CPU matmul quantizes the activations to 8 bits per 32 values (Q8_1) for Q4_1
+weights, so any change of the restored K/V, however small, moves the logits about as much as
+8-bit quantization does, and the near-ties flip. An F32 copy of the same weights scores the
+same pages at 99.61 % and KL 1.1e-4 (8 bits), 1.6e-6 for the floor. A candidate can only be
+judged against its model's floor.
 
 The richest candidate is measured first; when it passes, every cheaper one is measured and the
 smallest (by measured size ratio) passing set is the row's parameters. For that set (or, when none passes, the richest) the greedy agreement is measured too
