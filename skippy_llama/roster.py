@@ -150,7 +150,8 @@ class CacheGenRow:
     """The ``cachegen`` lane of one (model digest, K/V layout, backend): the cheapest CacheGen
     parameters that passed the quality gate (``scripts/qualify_cachegen.py``), or None with the
     measured reason. ``params`` is the codec's own JSON form (``CacheGenParams.identity()``);
-    ``measured`` holds the agreement, max |delta logit|, perplexity rise and size ratio;
+    ``measured`` holds the agreement, max |delta logit|, perplexity rise and size ratio, and
+    the measure's noise floor on the same positions (``floor_argmax_agree``, ``floor_mean_kl``);
     ``tried`` the cheaper sets that failed, with their measurements."""
 
     model: str
