@@ -98,6 +98,7 @@ def bench_layout(model: str, n: int, runs: int, flash_attn: bool) -> dict[str, A
             if arm == "blob":
                 ram.detach_arena()
                 llm.seam.layer_copies = False
+                llm.seam.page_copies = False
             phases = _timed_phases(llm)
             rows: list[dict[str, Any]] = []
             for _ in range(2 + runs):

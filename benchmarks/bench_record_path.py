@@ -18,6 +18,11 @@ prefills an ``N``-token prompt with L3 on and closes (its pages land), then a fr
 on that store asks the prompt plus 16 tokens once (its first L3 restore: ``lookup_ms`` +
 ``restore_ms`` of the event) and, with L1 off, a second time (the next restore). The page cache
 is warm (the pages were just written), as issue 45's "tried as a new user would" measured.
+``--restore-arms`` names how the reading processes restore, on the same store, the arms of a read
+in an order rotated by the read: ``copies`` (the default where the roster certifies
+``layer_copy_exact``: each page's cells copied per layer from its own bytes into the KV tensors,
+the next chunk read and verified meanwhile) and ``blob`` (``page_copies`` off: pages assembled into
+one state blob and imported, the path before issue 45 item 3). ``copy_ms`` is the copies' time.
 
 Usage::
 
@@ -170,15 +175,20 @@ from skippy_llama.models import default_model_path
 sys.path.insert(0, sys.argv[4])
 from bench_record_path import _settings
 mode, directory, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-step = sys.argv[5]
+step, arm = sys.argv[5], sys.argv[6]
 llm = SkippyLlama(str(default_model_path()), n_ctx=4096, verbose=False, seed=1,
                   cache_settings=_settings(mode, directory, l1=step != "read"))
+if arm == "blob":
+    llm.seam.page_copies = False
 rng = np.random.default_rng(45)
 tokens = [int(t) for t in rng.integers(100, llm.n_vocab() - 100, n + 16)]
-out = {"mode": mode, "step": step, "bus": llm.bus.to_json() if llm.bus else None}
+out = {"mode": mode, "step": step, "arm": arm, "bus": llm.bus.to_json() if llm.bus else None,
+       "page_copies": llm.seam.page_copies,
+       "page_copy_refusal": getattr(llm, "page_copy_refusal", "not in this build")}
 # where a restore's time goes: the pages' fetch (read, verify, decode), their assembly into one
 # state blob, its import (wrapped here, in the benchmark only)
-phases = {"fetch_ms": 0.0, "assemble_ms": 0.0, "import_ms": 0.0}
+# (and, for the copies, the per-layer copies from the pages' bytes; reads overlap them)
+phases = {"fetch_ms": 0.0, "assemble_ms": 0.0, "import_ms": 0.0, "copy_ms": 0.0}
 def timed(obj, name, key):
     real = getattr(obj, name)
     def wrapper(*args, **kwargs):
@@ -191,6 +201,8 @@ def timed(obj, name, key):
 timed(llm.prefix_cache.pages, "fetch", "fetch_ms")
 timed(llm.seam, "_assemble", "assemble_ms")
 timed(llm.seam, "_import", "import_ms")
+if hasattr(llm.seam, "_copy_pages"):
+    timed(llm.seam, "_copy_pages", "copy_ms")
 if step == "write":
     t0 = time.perf_counter()
     llm.eval(tokens[:n])
@@ -216,9 +228,9 @@ print(json.dumps(out))
 """
 
 
-def _child(mode: str, directory: str, n: int, step: str) -> dict[str, Any]:
+def _child(mode: str, directory: str, n: int, step: str, arm: str = "copies") -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-c", RESTORE_CHILD, mode, directory, str(n), str(HERE), step],
+        [sys.executable, "-c", RESTORE_CHILD, mode, directory, str(n), str(HERE), step, arm],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -230,23 +242,35 @@ def _child(mode: str, directory: str, n: int, step: str) -> dict[str, Any]:
     return result
 
 
-def first_restores(modes: list[str], n: int, reads: int) -> list[dict[str, Any]]:
-    """Per L3 mode: a store written by one process, then ``reads`` fresh processes restoring."""
+def first_restores(
+    modes: list[str], n: int, reads: int, arms: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Per L3 mode: a store written by one process, then ``reads`` rounds of fresh processes
+    restoring, one per arm (``copies``, ``blob``) in an order rotated by the round."""
+    arms = arms or ["copies"]
     out = []
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="skippy-first-restore-") as tmp:
             wrote = _child(mode, tmp, n, "write")
-            runs = [_child(mode, tmp, n, "read") for _ in range(reads)]
-        row = {"mode": mode, "tokens": n, "cold_s": wrote["cold_s"], "reads": runs}
+            runs = []
+            for i in range(reads):
+                for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
+                    runs.append(_child(mode, tmp, n, "read", arm))
+        row: dict[str, Any] = {"mode": mode, "tokens": n, "cold_s": wrote["cold_s"], "reads": runs}
+        for arm in arms:
+            firsts = [r["restores"][0] for r in runs if r["arm"] == arm]
+            row[f"first_total_ms_{arm}"] = sorted(
+                round(f["lookup_ms"] + f["restore_ms"], 1) for f in firsts
+            )
         for i, run in enumerate(runs):
             first, second = run["restores"]
             print(
-                f"{mode} read {i}: first {first['tier']} {first['cached_tokens']} tok "
+                f"{mode} {run['arm']} read {i}: first {first['tier']} {first['cached_tokens']} tok "
                 f"lookup {first['lookup_ms']:.1f} + restore {first['restore_ms']:.1f} ms; "
                 f"next {second['tier']} {second['lookup_ms']:.1f} + "
                 f"{second['restore_ms']:.1f} ms; cold {wrote['cold_s']:.2f} s; first: fetch "
                 f"{first['fetch_ms']:.1f}, assemble {first['assemble_ms']:.1f}, import "
-                f"{first['import_ms']:.1f} ms",
+                f"{first['import_ms']:.1f}, copy {first['copy_ms']:.1f} ms",
                 flush=True,
             )
         out.append(row)
@@ -302,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["plain", "l3"])
     parser.add_argument("--restore-tokens", type=int, default=0)
     parser.add_argument("--restore-reads", type=int, default=2)
+    parser.add_argument("--restore-arms", nargs="+", choices=["copies", "blob"], default=["copies"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     modes = list(args.modes)
@@ -326,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     restores = []
     if args.restore_tokens:
         l3_modes = [m for m in modes if m != "plain"]
-        restores = first_restores(l3_modes, args.restore_tokens, args.restore_reads)
+        restores = first_restores(
+            l3_modes, args.restore_tokens, args.restore_reads, args.restore_arms
+        )
     result = {
         "benchmark": "bench_record_path.py",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

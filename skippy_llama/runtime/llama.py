@@ -41,7 +41,7 @@ from ..state import KVLayout
 from ..tiers.factory import build_point_tiers, wants_pages
 from ..tiers.l3.trace import TraceWriter
 from . import probes, repair
-from .arena_setup import attach_arena
+from .arena_setup import attach_arena, enable_page_copies
 from .bus import BusRate, bus_rate
 from .cache_setup import l1_budget, open_cache
 from .context import adjusted, sequence_count
@@ -184,6 +184,17 @@ class SkippyLlama(llama_cpp.Llama):
             budget=self.l1_budget_tokens,
             window=window,
         )
+        #: Why pages read from L3 are assembled into a state blob rather than copied per layer
+        #: from their own bytes straight into the KV tensors (None: copied; ``arena_setup.py``).
+        self.page_copy_refusal: str | None = "no pages"
+        if layout is not None:
+            try:
+                self.page_copy_refusal = enable_page_copies(
+                    self.ctx, self.seam, layout, seq.verdict
+                )
+            except Exception as exc:  # fail-open: pages are assembled
+                self.page_copy_refusal = f"{type(exc).__name__}: {exc}"
+                self.seam.page_copies = False
         #: Why L2 keeps page bytes rather than its host arena, whose restores copy pages per
         #: layer straight into the KV tensors (None: the arena serves; ``arena_setup.py``).
         self.arena_refusal: str | None = "no pages"

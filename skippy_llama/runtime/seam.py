@@ -7,7 +7,11 @@ never sees the cache: the request path (``restore.py``, ``repair.py``) plans, as
 shallower plan when a step failed, and commits. Stock state calls everywhere; the patched range
 export and append import where the roster certifies them, and a restore wholly from L2's host
 arena by the per-layer cell copies (patch 0006) where ``layer_copies`` is on (the roster
-certifies them and the arena is attached). Executing a plan never raises.
+certifies them and the arena is attached). Pages read from L3 (or held by L2 as bytes) go the
+same way where ``page_copies`` is on: each fetched page's K and V are copied from its own bytes
+straight into the KV tensors (a page's layout is the arena's with the page's cells as the
+capacity), so no state blob is assembled or parsed, and the next chunk is read and its digests
+checked while the previous one is copied. Executing a plan never raises.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy.typing as npt
 from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
 from ..plan import FetchedPage, PageRef, PageSource, RestoreOutcome, RestorePlan
-from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
+from ..state import KVLayout, Page, assemble_into, assembled_size, page_from_bytes, parse_layout
 from ..state.pages import state_bytes
 from ..tiers.arena import ArenaSlot, HostArena
 from ..tiers.base import ParkPlan
@@ -42,6 +46,10 @@ SCRATCH_SEQ = 1
 #: A page restore of more state than this runs in chunks of about this size, each read while the
 #: previous one is imported (see ``KVSeam._pipelined``); smaller ones are one read and one import.
 PIPELINE_BYTES = 64 << 20
+#: A restore by per-layer copies from fetched pages (``KVSeam._direct``) reads and verifies
+#: about this many bytes of pages at a time while the previous chunk is copied: the copies run
+#: at memory speed, so chunks shorter than ``PIPELINE_BYTES`` keep both stages busy.
+DIRECT_CHUNK_BYTES = 16 << 20
 
 
 def chunks(plan: RestorePlan, layout: KVLayout) -> list[tuple[PageRef, ...]]:
@@ -78,6 +86,42 @@ def arena_spans(
         native_ext.HostSpan(run.n_cells, *arena.addresses(run), arena.capacity)
         for run in arena.runs(parts)
     ]
+
+
+def page_span(page: Page, first: int, end: int) -> native_ext.HostSpan:
+    """The span ``skippy_kv_cells_set`` takes for positions ``[first, end)`` of a parsed page,
+    pointing into the page's own bytes: per layer K rows by cell, V rows by cell or (V
+    transposed) ``v_embd`` rows ``page.n_tokens`` cells apart, as an arena of that capacity."""
+    if not page.start <= first < end <= page.end:
+        raise StateFormatError(
+            f"cells [{first}, {end}) are not in the page [{page.start}, {page.end})"
+        )
+    off = first - page.start
+    layers = page.layout.layers
+    k = np.array([a.ctypes.data + off * a.strides[0] for a in page.k], dtype=np.uint64)
+    if page.layout.v_trans:
+        v = np.array(
+            [a.ctypes.data + off * layer.v_unit for a, layer in zip(page.v, layers, strict=True)],
+            dtype=np.uint64,
+        )
+        # a head or span of a page keeps the whole page's row length
+        row_cells = min(
+            a.strides[0] // layer.v_unit for a, layer in zip(page.v, layers, strict=True)
+        )
+    else:
+        v = np.array([a.ctypes.data + off * a.strides[0] for a in page.v], dtype=np.uint64)
+        row_cells = end - first
+    return native_ext.HostSpan(end - first, k, v, row_cells)
+
+
+@dataclass
+class _Fetched:
+    """One chunk of a direct restore as the read-ahead thread left it: the pages read (a short
+    read ends the restore with them) and their parsed views (into the reading thread's buffer,
+    valid until that thread's next read)."""
+
+    got: list[FetchedPage]
+    pages: list[Page]
 
 
 @dataclass
@@ -125,15 +169,27 @@ class KVSeam:
         #: per-layer cell copies (:meth:`_from_arena`): on where the roster certifies
         #: ``layer_copy_exact`` and the runtime attached the arena (``runtime/arena_setup.py``).
         self.layer_copies = False
+        #: Whether a page restore not wholly in the arena copies each fetched page's cells per
+        #: layer from the page's bytes into the KV tensors (:meth:`_direct`): on where the roster
+        #: certifies ``layer_copy_exact`` and the cache's layers match the state format, with
+        #: or without L2 (``runtime/arena_setup.py``). Off: pages are assembled into a blob.
+        self.page_copies = False
         #: reads a pipelined restore's next chunk of pages (one per seam: a thread's L3 read
         #: buffer is reused by its next read, so two restores must not share the thread)
         self._ahead: ThreadPoolExecutor | None = None
+        #: a direct restore's two read threads, taken in turn: a chunk's pages are views into
+        #: its thread's read buffer, so the next chunk is read by the other thread
+        self._direct_ahead: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 
     def close(self) -> None:
         """Drop the kept host buffers and stop the read-ahead thread (on close)."""
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
             self._ahead = None
+        if self._direct_ahead is not None:
+            for pool in self._direct_ahead:
+                pool.shutdown(wait=True)
+            self._direct_ahead = None
         self.buffers.clear()
 
     # -- the working sequence ---------------------------------------------------------------
@@ -242,18 +298,34 @@ class KVSeam:
         notes: list[str],
         faults: list[str],
     ) -> RestoreOutcome:
-        if self.layer_copies and plan.pages and layout is not None:
+        if plan.pages and layout is not None and (self.layer_copies or self.page_copies):
             # a source with an arena (TierPages) says so; other sources (tests' fakes) have none
             in_arena = getattr(source, "in_arena", None)
             arena_read = getattr(source, "arena_read", None)
-            if in_arena is not None and arena_read is not None:
-                if in_arena(plan.pages):
-                    return self._from_arena(plan, arena_read, layout, append, notes, faults)
-                # part in the arena: copy that part, append the rest (a pipelined restore
-                # keeps its overlap of reads and imports instead, reading L2 pages as bytes)
-                groups = _arena_groups(plan.pages, in_arena)
-                if append and not pipeline and any(held for held, _, _ in groups):
-                    return self._segmented(plan, groups, source, layout, notes, faults)
+            has_arena = self.layer_copies and in_arena is not None and arena_read is not None
+            if (
+                has_arena
+                and in_arena is not None
+                and arena_read is not None
+                and in_arena(plan.pages)
+            ):
+                return self._from_arena(plan, arena_read, layout, append, notes, faults)
+            if (
+                self.page_copies
+                and layout.pageable
+                and not layout.ext_bytes
+                and (append or not plan.base_tokens)
+            ):
+                # pages from L3 (and L2's, in its arena or as bytes) copied per layer, in order
+                groups = (
+                    _arena_groups(plan.pages, in_arena)
+                    if has_arena and in_arena is not None
+                    else []
+                )
+                direct = self._direct(plan, groups, source, layout, notes, faults)
+                if direct is not None:
+                    return direct
+                # the copies failed (cleared, noted): the stock state path restores the plan
         if (
             pipeline
             and layout is not None
@@ -328,7 +400,7 @@ class KVSeam:
             promoted=True,  # L2 is the shallowest page tier: nothing to promote into
         )
 
-    def _segmented(
+    def _direct(
         self,
         plan: RestorePlan,
         groups: list[tuple[bool, int, int]],
@@ -336,64 +408,165 @@ class KVSeam:
         layout: KVLayout,
         notes: list[str],
         faults: list[str],
-    ) -> RestoreOutcome:
-        """A plan whose pages are partly in L2's arena, partly elsewhere (a prefix that grew
-        past what L2 holds): each run of arena pages is copied per layer from the arena, each
-        other run read, assembled and append-imported, in position order. A short read ends
-        the restore where the pages end; a failure clears what this restore added."""
-        arena_read = getattr(source, "arena_read")  # noqa: B009 - _try checked it is there
+    ) -> RestoreOutcome | None:
+        """A page restore by per-layer copies, no state blob: each run of pages held in L2's
+        arena (``groups``; none without one) is copied from its slots, every other page from
+        its own fetched bytes (:func:`page_span`), in position order. The other pages are read
+        a chunk (``DIRECT_CHUNK_BYTES``) at a time by two read-ahead threads in turn, each
+        chunk read, verified, parsed and promoted (into L2's arena, where there is one) while
+        the previous chunk is copied. A page that fails its digest ends the read (a short
+        read: the restore ends where the pages end, or a shallower plan runs). A copy or parse
+        that fails clears what this restore added and returns None: the caller restores the
+        plan by the stock state path instead."""
+        steps = self._direct_steps(plan, groups, layout)
+        if self._direct_ahead is None:
+            self._direct_ahead = (
+                ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-a"),
+                ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-b"),
+            )
+        pools = self._direct_ahead
+        turn = 0
+        pending: Future[_Fetched] | None = None
+
+        def read_ahead(j: int) -> Future[_Fetched] | None:
+            nonlocal turn
+            if j >= len(steps) or steps[j][0]:
+                return None
+            turn ^= 1
+            refs = plan.pages[steps[j][1] : steps[j][2]]
+            return pools[turn].submit(self._read_pages, refs, source, plan.n_tokens)
+
         base = plan.base_tokens
+        pos = base  # the next position to restore
         done = 0  # pages restored
         fetched: list[FetchedPage] = []
+        placed = False
         try:
-            if base:
-                self._place_base(plan)
-            else:
-                self.cut()
-            for held, i0, i1 in groups:
+            pending = read_ahead(0)
+            for j, (held, i0, i1) in enumerate(steps):
                 refs = plan.pages[i0:i1]
+                if not held and not placed:
+                    # the first read comes before the sequence is touched: nothing read leaves
+                    # the live sequence as it was for a shallower plan
+                    assert pending is not None
+                    if not pending.result().got:
+                        notes.append(plan.short_note(0))
+                        faults.append(f"{plan.pages[0].tier}_short_read")
+                        return RestoreOutcome(plan, failed=True)
+                if not placed:
+                    if base:
+                        self._place_base(plan)
+                    else:
+                        self.cut()
+                    placed = True
                 if held:
-                    with arena_read(refs) as read:
-                        if read is None:
-                            break
-                        arena, slots = read
-                        if slots:
-                            self._copy_slots(plan, arena, slots, i0)
-                    fetched += [FetchedPage(r.tier, r.key, b"") for r in refs[: len(slots)]]
-                    n_got = len(slots)
+                    # the next read overlaps this copy too
+                    nxt = read_ahead(j + 1)
+                    with getattr(source, "arena_read")(refs) as read:  # noqa: B009 - checked
+                        n_got = 0
+                        if read is not None:
+                            arena, slots = read
+                            if slots:
+                                self._copy_slots(plan, arena, slots, i0)
+                            n_got = len(slots)
+                    fetched += [FetchedPage(r.tier, r.key, b"") for r in refs[:n_got]]
+                    pending = nxt
                 else:
-                    got = source.fetch(refs)
-                    if got:
-                        buf, size = self._assemble(plan, got, i0, layout)
-                        try:
-                            if not native_ext.append_import(
-                                self.ctx, memoryview(buf)[:size], WORKING_SEQ
-                            ):
-                                raise TierError("skippy_state_seq_append_data refused the pages")
-                        finally:
-                            self.buffers.give(buf)
-                    fetched += got
-                    n_got = len(got)
+                    assert pending is not None
+                    chunk = pending.result()
+                    pending = None
+                    n_got = len(chunk.got)
+                    if n_got == len(refs):
+                        pending = read_ahead(j + 1)
+                    if n_got:
+                        pos = self._copy_pages(plan, chunk.pages, i0, pos, layout)
+                    fetched += chunk.got
                 done = i0 + n_got
+                pos = plan.n_tokens - sum(page.used for page in plan.pages[done:])
                 if n_got < len(refs):
                     break
         except Exception as exc:
-            return self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
+            if pending is not None:
+                # no read may still be running when the next restore starts
+                with contextlib.suppress(Exception):
+                    pending.result()
+            self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
+            return None
+        if pending is not None:  # pragma: no cover - a read ahead of a short read
+            with contextlib.suppress(Exception):
+                pending.result()
         n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[done:])
         outcome = RestoreOutcome(
             plan,
             restored=True,
             restored_bytes=state_bytes(layout, n_tokens - base),
             fetched=tuple(fetched),
+            promoted=True,  # each chunk was promoted as it was read
         )
         if done < len(plan.pages):
             notes.append(plan.short_note(done))
             faults.append(f"{plan.pages[done].tier}_short_read")
-            if n_tokens <= plan.floor or n_tokens <= base:
+            if n_tokens <= plan.floor or n_tokens <= base or not done:
                 self.cut(self._intact(plan))  # a shallower plan does at least as well
                 return RestoreOutcome(plan, failed=True)
             outcome.plan = plan.truncated(n_tokens)
         return outcome
+
+    @staticmethod
+    def _direct_steps(
+        plan: RestorePlan, groups: list[tuple[bool, int, int]], layout: KVLayout
+    ) -> list[tuple[bool, int, int]]:
+        """``groups`` (all pages outside an arena when empty) with each run outside the arena
+        cut into chunks of about ``DIRECT_CHUNK_BYTES``: (in arena, first, end) page indices."""
+        per_page = max(1, max(page.used for page in plan.pages)) * layout.kv_bytes_per_cell
+        step = max(1, DIRECT_CHUNK_BYTES // per_page)
+        out: list[tuple[bool, int, int]] = []
+        for held, i0, i1 in groups or [(False, 0, len(plan.pages))]:
+            if held:
+                out.append((held, i0, i1))
+            else:
+                out += [(False, i, min(i + step, i1)) for i in range(i0, i1, step)]
+        return out
+
+    @staticmethod
+    def _read_pages(refs: tuple[PageRef, ...], source: PageSource, prefix_tokens: int) -> _Fetched:
+        """A read-ahead thread's stage of :meth:`_direct`: ``refs`` fetched (verified), parsed,
+        and offered to the shallower tiers (L2's arena copies them there) before this thread's
+        next read reuses its buffer. A page that does not parse ends the chunk there."""
+        got = source.fetch(refs)
+        pages: list[Page] = []
+        for page in got:
+            try:
+                pages.append(page_from_bytes(page.payload))
+            except StateFormatError:
+                break
+        got = got[: len(pages)]
+        if got:
+            source.promote(got, prefix_tokens)
+        return _Fetched(got, pages)
+
+    def _copy_pages(
+        self, plan: RestorePlan, pages: list[Page], first: int, pos: int, layout: KVLayout
+    ) -> int:
+        """Append the cells of pages ``first ..`` of ``plan`` (parsed, ``pages``, each in the
+        context's ``layout``) from their own bytes, continuing the sequence at position
+        ``pos``; returns the next position."""
+        spans: list[native_ext.HostSpan] = []
+        p0 = pos
+        for ref, page in zip(plan.pages[first : first + len(pages)], pages, strict=True):
+            got = page.layout
+            if got.layers != layout.layers or got.v_trans != layout.v_trans or got.ext_bytes:
+                raise StateFormatError("a page's layout differs from the context's")
+            end = page.start + ref.used
+            if not page.start <= pos < end <= page.end:
+                raise StateFormatError(
+                    f"page [{page.start}, {page.end}) does not continue position {pos} to {end}"
+                )
+            spans.append(page_span(page, pos, end))
+            pos = end
+        if not native_ext.cells_set(self.ctx, WORKING_SEQ, p0, spans):
+            raise TierError("skippy_kv_cells_set refused the pages' cells")
+        return pos
 
     def _copy_slots(
         self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], first: int

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -123,6 +124,13 @@ class HostArena:
         self._next = 0
         #: called by :meth:`close` before the memory goes (e.g. to unpin it)
         self.on_close: Callable[[], object] | None = None
+        #: the thread committing the memory ahead of use (``runtime/arena_setup.prefault``),
+        #: and whether it finished
+        self.prefault_thread: threading.Thread | None = None
+        self.prefaulted = False
+        #: the memory's address, and whether :meth:`close` began (the prefault thread stops)
+        self.address: int = whole.ctypes.data
+        self.closing = False
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -227,6 +235,10 @@ class HostArena:
 
     def close(self) -> None:
         """Release the memory (every view of it must be gone: a pinned arena is unpinned first)."""
+        self.closing = True
+        thread = self.prefault_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()  # at most one step of it: the memory must not go under a madvise
         if self.on_close is not None:
             self.on_close()
             self.on_close = None

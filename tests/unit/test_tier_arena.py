@@ -144,3 +144,71 @@ def test_ram_tier_keeps_bytes_for_pages_the_arena_cannot_hold() -> None:
     assert ram.get(key(1), b"\x01") == b"not a page"
     ram.clear()
     assert ram.status().used_bytes == 0 and arena.free_slots == 2
+
+
+def test_prefault_commits_the_arena_and_leaves_puts_intact() -> None:
+    from skippy_llama.runtime.arena_setup import prefault
+
+    pages = pages_of(SPECS[1], 20)
+    per_slot = PAGE * pages[0].layout.kv_bytes_per_cell
+    arena = HostArena(pages[0].layout, PAGE, (48 << 20) // per_slot)  # ~48 MiB, 3 steps
+    try:
+        slots = [arena.put(page) for page in pages[:2]]
+        thread = prefault(arena)
+        if thread is None:
+            pytest.skip("no madvise here")
+        slots += [arena.put(page) for page in pages[2:]]  # puts while it runs
+        thread.join(60)
+        if not arena.prefaulted:
+            pytest.skip("the kernel has no MADV_POPULATE_WRITE")
+        for slot, page in zip(slots, pages, strict=True):
+            assert slot is not None and arena.page(slot).to_bytes() == page.to_bytes()
+        assert _resident(arena.address) >= arena.nbytes
+    finally:
+        arena.close()
+    assert arena.closing
+
+
+def _resident(address: int) -> int:
+    """Resident bytes of the mapping that holds ``address`` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                rss = int(line.split()[1]) * 1024
+    return rss
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_page_spans_point_at_the_pages_own_cells(spec: Spec) -> None:
+    import ctypes
+
+    from skippy_llama.runtime.seam import page_span
+    from skippy_llama.state import page_from_bytes
+
+    whole = pages_of(spec, 20)[1].to_bytes()  # positions [8, 16), as L3 serves it
+    page = page_from_bytes(whole)
+    for view, first, end in [(page, 8, 16), (page.head(5), 8, 13), (page.span(11, 16), 11, 16)]:
+        span = page_span(view, first, end)
+        n, off = end - first, first - page.start
+        assert span.n_cells == n
+        for il, layer in enumerate(page.layout.layers):
+            k = ctypes.string_at(int(span.k[il]), n * layer.k_row)
+            assert k == page.k[il][off : end - page.start].tobytes()
+            if page.layout.v_trans:
+                # rows of the whole page's length: the copy strides over the page's other cells
+                assert span.v_row_cells == page.n_tokens
+                u = layer.v_unit
+                for row in range(layer.v_embd):
+                    got = ctypes.string_at(int(span.v[il]) + row * page.n_tokens * u, n * u)
+                    assert got == page.v[il][row, off * u : (off + n) * u].tobytes()
+            else:
+                v = ctypes.string_at(int(span.v[il]), n * layer.v_unit)
+                assert v == page.v[il][off : end - page.start].tobytes()
+    assert page.to_bytes() == whole
+    with pytest.raises(StateFormatError):
+        page_span(page, 7, 12)
