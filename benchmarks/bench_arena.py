@@ -8,8 +8,14 @@ the rest are served by L2:
 - ``arena``: the runtime's default where the roster certifies ``layer_copy_exact`` (patch 0006):
   L2 keeps pages in a host arena laid out as the KV tensors, a restore copies each run of pages
   per layer straight into the context;
-- ``blob``: the arena detached, L2 keeps page bytes and a restore assembles them into one state
-  blob that ``llama_state_seq_set_data`` parses (the path before issue 45).
+- ``blob``: the arena detached and L3's pages not copied per layer (``page_copies`` off): L2 keeps
+  page bytes and a restore assembles them into one state blob that ``llama_state_seq_set_data``
+  parses (the path before issue 45);
+- ``arena_unfaulted`` (with ``--arms``): ``arena`` without the background prefault of the arena's
+  memory at load, so the first promotion pays the page faults of slots never written before.
+
+``wall_ms`` is each request's whole time; the second request's ``phases_ms.promote`` and
+``wall_ms`` show what the first promotion into the arena costs.
 
 Each L2 restore gives its time (``restore_ms``: the seam's execution of the plan, lookup and
 pages included), its rate (``restore_gbps``: K/V bytes over that time), where the time went
@@ -43,7 +49,7 @@ from bench_gpu import _gbps, _logits, _timed_eval, _timed_phases
 from skippy_llama.config import Settings
 from skippy_llama.costs import AlwaysRestore
 from skippy_llama.models import default_model_path
-from skippy_llama.runtime import native
+from skippy_llama.runtime import arena_setup, native
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
@@ -69,7 +75,9 @@ def _memcpy_gbps(nbytes: int) -> float:
     return round(nbytes / best / 1e9, 2)
 
 
-def bench_layout(model: str, n: int, runs: int, flash_attn: bool) -> dict[str, Any]:
+def bench_layout(
+    model: str, n: int, runs: int, flash_attn: bool, arms: list[str]
+) -> dict[str, Any]:
     common: dict[str, Any] = {"n_ctx": n + 1024, "flash_attn": flash_attn, "verbose": False}
     plain = llama_cpp.Llama(model, **common)
     rng = np.random.default_rng(0)
@@ -87,12 +95,19 @@ def bench_layout(model: str, n: int, runs: int, flash_attn: bool) -> dict[str, A
         recorder.eval(base + other)
         recorder.recorder.flush()
         recorder.close()
-        for arm in ("arena", "blob"):
+        for arm in arms:
             where = Path(tmp) / arm
             shutil.copytree(store, where)
-            llm = SkippyLlama(
-                model, cache_settings=_settings(where, "1GiB"), cost_model=AlwaysRestore(), **common
-            )
+            arena_setup.PREFAULT = arm != "arena_unfaulted"
+            try:
+                llm = SkippyLlama(
+                    model,
+                    cache_settings=_settings(where, "1GiB"),
+                    cost_model=AlwaysRestore(),
+                    **common,
+                )
+            finally:
+                arena_setup.PREFAULT = True
             ram = llm.prefix_cache.ram
             assert ram is not None
             if arm == "blob":
@@ -112,6 +127,7 @@ def bench_layout(model: str, n: int, runs: int, flash_attn: bool) -> dict[str, A
                         "tier": event.tier,
                         "cached": event.cached_tokens,
                         "restore_ms": round(event.restore_ms, 2),
+                        "wall_ms": round(seconds * 1e3, 2),
                         "restored_bytes": event.restored_bytes,
                         "restore_gbps": _gbps(event),
                         "warm_over_cold": round(seconds / cold_s, 4),
@@ -134,7 +150,9 @@ def bench_layout(model: str, n: int, runs: int, flash_attn: bool) -> dict[str, A
             }
             llm.close()
             print(arm, json.dumps({k: v for k, v in out[arm].items() if k != "runs"}), flush=True)
-    restored = next((r["restored_bytes"] for r in out["arena"]["runs"] if r["tier"] == "l2"), 0)
+    restored = next(
+        (r["restored_bytes"] for arm in arms for r in out[arm]["runs"] if r["tier"] == "l2"), 0
+    )
     out["memcpy_gbps"] = _memcpy_gbps(restored) if restored else None
     return out
 
@@ -145,6 +163,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=3900)
     parser.add_argument("--runs", type=int, default=5, help="L2 restores per arm")
     parser.add_argument("--flash-attn", type=int, nargs="*", default=[0, 1])
+    parser.add_argument(
+        "--arms", nargs="+", default=["arena", "blob"], choices=["arena", "blob", "arena_unfaulted"]
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or str(default_model_path())
@@ -158,13 +179,16 @@ def main() -> None:
         "layouts": [],
     }
     for fa in args.flash_attn:
-        row = bench_layout(model, args.tokens, args.runs, bool(fa))
+        row = bench_layout(model, args.tokens, args.runs, bool(fa), args.arms)
+        arms = ", ".join(
+            f"{arm} {row[arm]['l2_restore_ms_median']} ms ({row[arm]['l2_gbps_median']} GB/s; "
+            f"promoting request {row[arm]['runs'][1]['wall_ms']} ms, promote "
+            f"{row[arm]['runs'][1]['phases_ms'].get('promote')} ms)"
+            for arm in args.arms
+        )
         print(
-            f"flash_attn={fa}: cold {row['cold_s']} s; L2 restore median "
-            f"arena {row['arena']['l2_restore_ms_median']} ms "
-            f"({row['arena']['l2_gbps_median']} GB/s), "
-            f"blob {row['blob']['l2_restore_ms_median']} ms "
-            f"({row['blob']['l2_gbps_median']} GB/s); memcpy {row['memcpy_gbps']} GB/s",
+            f"flash_attn={fa}: cold {row['cold_s']} s; L2 restore median {arms}; "
+            f"memcpy {row['memcpy_gbps']} GB/s",
             flush=True,
         )
         report["layouts"].append(row)

@@ -76,6 +76,9 @@ def enable_page_copies(
 #: ``MADV_POPULATE_WRITE`` (Linux 5.14): commit pages writable without changing their bytes.
 #: Python 3.11's ``mmap`` does not name it.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: Whether :func:`attach_arena` prefaults a pageable arena (``benchmarks/bench_arena.py`` turns it
+#: off to measure what the prefault saves the first promotion).
+PREFAULT = True
 #: Bytes the prefault thread commits per call (it stops between calls when the arena closes).
 PREFAULT_STEP = 16 << 20
 
@@ -142,7 +145,7 @@ def attach_arena(
         arena.on_close = lambda: pinner.unpin(arena.buffer)
     else:
         # a pinned arena is committed by the registration; a pageable one in the background
-        arena.prefault_thread = prefault(arena)
+        arena.prefault_thread = prefault(arena) if PREFAULT else None
     ram.attach_arena(arena)
     seam.layer_copies = True
     seam.page_copies = True
