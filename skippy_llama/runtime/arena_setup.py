@@ -64,11 +64,17 @@ def copy_refusal(ctx: Any, layout: KVLayout | None, verdict: Verdict) -> str | N
 
 
 def enable_page_copies(
-    ctx: Any, seam: KVSeam, layout: KVLayout | None, verdict: Verdict
+    ctx: Any, seam: KVSeam, layout: KVLayout | None, verdict: Verdict, *, on_device: bool = False
 ) -> str | None:
     """Turn on the seam's restores of fetched pages by per-layer copies from their own bytes
-    (no state blob); returns why not (None: on)."""
+    (no state blob); returns why not (None: on).
+
+    Host-memory caches only for now (``on_device``: the KV cache is offloaded): on a GPU the
+    pages' bytes lie in pageable read buffers, and copies from there with V transposed are many
+    short rows; the pipelined blob import stays until ``bench_gpu.py`` has measured both."""
     refusal = copy_refusal(ctx, layout, verdict)
+    if refusal is None and on_device:
+        refusal = "the KV cache is on a device (page copies measured on the CPU only)"
     seam.page_copies = refusal is None
     return refusal
 
@@ -148,7 +154,6 @@ def attach_arena(
         arena.prefault_thread = prefault(arena) if PREFAULT else None
     ram.attach_arena(arena)
     seam.layer_copies = True
-    seam.page_copies = True
     log.info(
         "skippy-llama: L2 keeps pages in a %s host arena of %d slots (%.1f MiB)",
         "pinned" if ram.arena_pinned else "pageable",

@@ -190,7 +190,7 @@ class SkippyLlama(llama_cpp.Llama):
         if layout is not None:
             try:
                 self.page_copy_refusal = enable_page_copies(
-                    self.ctx, self.seam, layout, seq.verdict
+                    self.ctx, self.seam, layout, seq.verdict, on_device=offloaded
                 )
             except Exception as exc:  # fail-open: pages are assembled
                 self.page_copy_refusal = f"{type(exc).__name__}: {exc}"
