@@ -22,7 +22,9 @@ is warm (the pages were just written), as issue 45's "tried as a new user would"
 in an order rotated by the read: ``copies`` (the default where the roster certifies
 ``layer_copy_exact``: each page's cells copied per layer from its own bytes into the KV tensors,
 the next chunk read and verified meanwhile) and ``blob`` (``page_copies`` off: pages assembled into
-one state blob and imported, the path before issue 45 item 3). ``copy_ms`` is the copies' time.
+one state blob and imported, the path before issue 45 item 3). ``copy_ms`` is the copies' time, ``cpu_s`` the process's CPU
+time over the request (restore and the 16-token suffix; on a loaded machine the wall time is
+mostly waiting). ``--restore-store DIR`` keeps the written store there and reuses it next time.
 
 Usage::
 
@@ -214,13 +216,13 @@ else:
         llm.reset()
         for key in phases:
             phases[key] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.eval(tokens)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         e = llm.last_cache_event
         events.append({"tier": e.tier, "cached_tokens": e.cached_tokens,
                        "lookup_ms": e.lookup_ms, "restore_ms": e.restore_ms,
-                       "prefill_ms": e.prefill_ms, "wall_s": wall,
+                       "prefill_ms": e.prefill_ms, "wall_s": wall, "cpu_s": cpu,
                        **{k: round(v, 3) for k, v in phases.items()}})
     out["restores"] = events
 llm.close()
@@ -243,15 +245,31 @@ def _child(mode: str, directory: str, n: int, step: str, arm: str = "copies") ->
 
 
 def first_restores(
-    modes: list[str], n: int, reads: int, arms: list[str] | None = None
+    modes: list[str],
+    n: int,
+    reads: int,
+    arms: list[str] | None = None,
+    store: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Per L3 mode: a store written by one process, then ``reads`` rounds of fresh processes
-    restoring, one per arm (``copies``, ``blob``) in an order rotated by the round."""
+    """Per L3 mode: a store written by one process (or kept under ``store`` by an earlier run),
+    then ``reads`` rounds of fresh processes restoring, one per arm (``copies``, ``blob``) in an
+    order rotated by the round."""
     arms = arms or ["copies"]
     out = []
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="skippy-first-restore-") as tmp:
-            wrote = _child(mode, tmp, n, "write")
+            if store is not None:
+                # a store kept from an earlier run of the same mode and size: no prefill
+                tmp = str(store / f"{mode.replace(':', '-')}-{n}")
+                done = Path(tmp) / "written.json"
+                Path(tmp).mkdir(parents=True, exist_ok=True)
+                if done.exists():
+                    wrote = json.loads(done.read_text())
+                else:
+                    wrote = _child(mode, tmp, n, "write")
+                    done.write_text(json.dumps(wrote))
+            else:
+                wrote = _child(mode, tmp, n, "write")
             runs = []
             for i in range(reads):
                 for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
@@ -262,6 +280,7 @@ def first_restores(
             row[f"first_total_ms_{arm}"] = sorted(
                 round(f["lookup_ms"] + f["restore_ms"], 1) for f in firsts
             )
+            row[f"first_cpu_ms_{arm}"] = sorted(round(f["cpu_s"] * 1e3, 1) for f in firsts)
         for i, run in enumerate(runs):
             first, second = run["restores"]
             print(
@@ -270,7 +289,8 @@ def first_restores(
                 f"next {second['tier']} {second['lookup_ms']:.1f} + "
                 f"{second['restore_ms']:.1f} ms; cold {wrote['cold_s']:.2f} s; first: fetch "
                 f"{first['fetch_ms']:.1f}, assemble {first['assemble_ms']:.1f}, import "
-                f"{first['import_ms']:.1f}, copy {first['copy_ms']:.1f} ms",
+                f"{first['import_ms']:.1f}, copy {first['copy_ms']:.1f} ms; request CPU "
+                f"{first['cpu_s'] * 1e3:.0f} ms",
                 flush=True,
             )
         out.append(row)
@@ -352,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restore_tokens:
         l3_modes = [m for m in modes if m != "plain"]
         restores = first_restores(
-            l3_modes, args.restore_tokens, args.restore_reads, args.restore_arms
+            l3_modes, args.restore_tokens, args.restore_reads, args.restore_arms, args.restore_store
         )
     result = {
         "benchmark": "bench_record_path.py",
