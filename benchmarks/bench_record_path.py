@@ -347,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restore-tokens", type=int, default=0)
     parser.add_argument("--restore-reads", type=int, default=2)
     parser.add_argument("--restore-arms", nargs="+", choices=["copies", "blob"], default=["copies"])
+    parser.add_argument(
+        "--restore-store",
+        type=Path,
+        default=None,
+        help="keep the written stores here and reuse them on the next run (no prefill)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     modes = list(args.modes)
