@@ -113,6 +113,7 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
         assert copied[0] == 0 and assembled[0] > 0
 
 
+@pytest.mark.slow
 def test_l3_pages_restored_by_copies_are_promoted_into_the_arena(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,6 +145,7 @@ def test_l3_pages_restored_by_copies_are_promoted_into_the_arena(
     assert status.arena_hits > 0 and status.arena_bytes > 0
 
 
+@pytest.mark.slow
 def test_a_refused_page_copy_falls_back_to_the_state_path_exactly(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
