@@ -361,9 +361,11 @@ def test_a_restore_from_l2_alone_is_imported_whole_unless_chunked(
     chunked: bool,
 ) -> None:
     """L2's pages are in RAM, with no read to hide: imported whole by default, in chunks (each
-    assembled while the last is imported) with ``chunk_ram_restores``; cold's logits either
-    way."""
+    assembled while the last is imported) with ``chunk_ram_restores``; where L2 keeps them in
+    its host arena (``layer_copy_exact`` certified) they are copied per layer and nothing is
+    imported either way; cold's logits in every case."""
     llm = open_llm(_settings(raw, l1=False, l2="64MiB"), chunked=True)
+    arena = llm.arena_refusal is None
     llm.seam.chunk_ram_restores = chunked
     prompt = tokens[:LONG]  # what L3 holds, so this process records no new tail
     for _ in range(2):  # L2 copies each page on its second fill
@@ -373,5 +375,10 @@ def test_a_restore_from_l2_alone_is_imported_whole_unless_chunked(
     event, got = _answer(llm, prompt)
     assert event.tier == "l2" and not event.fallbacks
     assert event.cached_tokens == aligned(llm, LONG - 2)
-    assert len(imports) == (-(-event.cached_tokens // PAGE) - 1 if chunked else 0)
+    if arena:
+        ram = llm.prefix_cache.ram
+        assert ram is not None and ram.status().arena_hits > 0
+        assert imports == []
+    else:
+        assert len(imports) == (-(-event.cached_tokens // PAGE) - 1 if chunked else 0)
     assert np.array_equal(got, cold_logits(cold, prompt))
