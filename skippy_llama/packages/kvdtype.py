@@ -391,3 +391,19 @@ def resolve_kv_dtype(
         rule_k=rule_k,
         rule_v=rule_v,
     )
+
+
+def resolve_user_kv_types(kwargs: dict[str, Any]) -> KVDtypeResolution:
+    """The K/V types a plain load chose (``type_k``/``type_v`` in the ``Llama`` keyword
+    arguments, no model package); names such as ``"q8_0"`` in ``kwargs`` are replaced by the
+    ggml ids llama.cpp wants."""
+    resolution = resolve_kv_dtype(
+        user_k=kwargs.get("type_k"),
+        user_v=kwargs.get("type_v"),
+        publisher=None,
+        publisher_unavailable="the model was not loaded from a model package",
+    )
+    for side, ggml_id in (("type_k", resolution.ggml_type_k), ("type_v", resolution.ggml_type_v)):
+        if isinstance(kwargs.get(side), str):
+            kwargs[side] = ggml_id
+    return resolution

@@ -19,6 +19,7 @@ import functools
 import logging
 import mmap
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from ..cache import PrefixCache
@@ -161,3 +162,46 @@ def attach_arena(
         arena.nbytes / (1 << 20),
     )
     return None
+
+
+@dataclass(frozen=True)
+class PagePaths:
+    """Why pages are not restored by per-layer copies (None: they are).
+
+    Attributes:
+        page_copy_refusal: why pages read from L3 are assembled into a state blob rather than
+            copied per layer from their own bytes into the KV tensors.
+        arena_refusal: why L2 keeps page bytes rather than its host arena.
+    """
+
+    page_copy_refusal: str | None
+    arena_refusal: str | None
+
+
+def open_page_paths(
+    ctx: Any,
+    seam: KVSeam,
+    cache: PrefixCache,
+    layout: KVLayout | None,
+    verdict: Verdict,
+    *,
+    on_device: bool,
+    pinner: Pinner | None,
+) -> PagePaths:
+    """Turn on the per-layer page copies and L2's arena where they serve (fail-open: any error
+    leaves the stock state paths, logged)."""
+    if layout is None:
+        return PagePaths("no pages", "no pages")
+    try:
+        copies = enable_page_copies(ctx, seam, layout, verdict, on_device=on_device)
+    except Exception as exc:  # fail-open: pages are assembled
+        copies = f"{type(exc).__name__}: {exc}"
+        seam.page_copies = False
+    arena: str | None = "no pages"
+    if cache.ram is not None:
+        try:
+            arena = attach_arena(ctx, seam, cache, layout, verdict, pinner=pinner)
+        except Exception as exc:  # fail-open: L2 keeps page bytes
+            arena = f"{type(exc).__name__}: {exc}"
+            log.warning("skippy-llama: no L2 arena (%s)", arena)
+    return PagePaths(copies, arena)

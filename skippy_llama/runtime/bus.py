@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..costs import CostModel
 from ..hostmem import HostBuffer, host_buffer
 from ..pinned import load_cudart
+from ..state import KVLayout
 
 log = logging.getLogger("skippy_llama")
 
@@ -179,3 +181,16 @@ def _cuda_probe(pinned: bool) -> BusRate | None:
             cudart.cudaHostUnregister.argtypes = [ctypes.c_void_p]
             cudart.cudaHostUnregister(src)
         del handle
+
+
+def seed_costs(
+    costs: CostModel, layout: KVLayout | None, backend: str, *, kv_offloaded: bool, pinned: bool
+) -> BusRate | None:
+    """Probe the bus where pages may be restored (a pageable ``layout``) and plan page tiers
+    not yet measured at its rate (``CostModel.observe_bus``); the rate, or None."""
+    if layout is None or not layout.pageable:
+        return None
+    rate = bus_rate(backend, kv_offloaded=kv_offloaded, pinned=pinned)
+    if rate is not None:
+        costs.observe_bus(rate.n_bytes, rate.seconds)
+    return rate

@@ -1,18 +1,40 @@
-"""Opening a ``SkippyLlama``'s cache: the L1 budget, pageability and the tiers from settings."""
+"""Opening a ``SkippyLlama``'s cache: its seam, the L1 budget, pageability and the tiers from
+settings."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
+
+import llama_cpp
 
 from ..cache import PrefixCache
 from ..config import Settings
 from ..costs import CostModel
+from ..hostmem import BufferPool
 from ..identity import CacheIdentity
 from ..state import KVLayout
 from ..tiers.factory import TierContext, build_tiers
-from .seam import backend_name
+from .seam import KVSeam, backend_name
 
 log = logging.getLogger("skippy_llama")
+
+#: K/V types whose device checkpoints llama.cpp copies whole: F32, F16 and BF16 (ggml type 30,
+#: which llama-cpp-python does not name)
+_DEVICE_CHECKPOINT_TYPES = frozenset((llama_cpp.GGML_TYPE_F32, llama_cpp.GGML_TYPE_F16, 30))
+
+
+def open_seam(ctx: Any, type_k: int, type_v: int, *, on_cpu: bool) -> KVSeam:
+    """The seam of a context whose live K/V types are ``type_k`` / ``type_v``."""
+    # llama.cpp's device checkpoints view a quantized K/V range as size / type_size
+    # *elements* (blocks, not elements: 1/32 of a Q8_0 range is copied), so a restore brings
+    # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
+    on_device = all(t in _DEVICE_CHECKPOINT_TYPES for t in (type_k, type_v))
+    # host buffers for the blobs of L2/L3 restores and captures, reused: a fresh one each
+    # time spends longer in page faults than the state call takes (0.48 s for 720 MB on
+    # the H200 host); a capture stays with the L3 writer until it is cut. GPU builds keep
+    # two: a pipelined restore holds two chunks at once (``SkippyLlama.pipeline_restores``)
+    return KVSeam(ctx, BufferPool(keep=1 if on_cpu else 2), on_device=on_device)
 
 
 def l1_budget(

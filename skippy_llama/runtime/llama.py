@@ -29,28 +29,24 @@ import numpy.typing as npt
 from ..config import Settings, load_settings
 from ..costs import CostModel
 from ..events import CacheEvent
-from ..hostmem import BufferPool
-from ..identity import paging_refusal
-from ..packages.kvdtype import KVDtypeResolution, resolve_kv_dtype
+from ..packages.kvdtype import KVDtypeResolution, resolve_user_kv_types
 from ..packages.loader import LoadedPackage, load_package
 from ..pinned import cuda_pinner
 from ..prefetch import PrefetchResult
-from ..restore_points import PointOwner
 from ..roster import Verdict
 from ..state import KVLayout
-from ..tiers.factory import build_point_tiers, wants_pages
-from ..tiers.l3.trace import TraceWriter
+from ..tiers.factory import wants_pages
 from . import probes, repair
-from .arena_setup import attach_arena, enable_page_copies
-from .bus import BusRate, bus_rate
-from .cache_setup import l1_budget, open_cache
+from .arena_setup import open_page_paths
+from .bus import BusRate, seed_costs
+from .cache_setup import l1_budget, open_cache, open_seam
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
 from .prompt_tokens import completion_tokens
 from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder
 from .restore import restore_prefix
-from .restore_points import RestorePointPath, open_restore_points
-from .seam import KVSeam, backend_name
+from .restore_points import RestorePointPath, open_for_model
+from .seam import backend_name
 from .status import cache_status
 from .timing import on_tokens
 from .working import WorkingSequence, guard
@@ -58,10 +54,6 @@ from .working import WorkingSequence, guard
 log = logging.getLogger("skippy_llama")
 
 __all__ = ["DECODED_SUFFIX", "DEFER_RECORD_TOKENS", "SkippyLlama"]
-
-#: K/V types whose device checkpoints llama.cpp copies whole: F32, F16 and BF16 (ggml type 30,
-#: which llama-cpp-python does not name)
-_DEVICE_CHECKPOINT_TYPES = frozenset((llama_cpp.GGML_TYPE_F32, llama_cpp.GGML_TYPE_F16, 30))
 
 
 class SkippyLlama(llama_cpp.Llama):
@@ -95,19 +87,7 @@ class SkippyLlama(llama_cpp.Llama):
         self.cache_settings = settings = cache_settings or load_settings().settings
         self.last_cache_event: CacheEvent | None = None
         self.model_package: LoadedPackage | None = None
-        self.kv_dtype: KVDtypeResolution = resolve_kv_dtype(
-            user_k=kwargs.get("type_k"),
-            user_v=kwargs.get("type_v"),
-            publisher=None,
-            publisher_unavailable="the model was not loaded from a model package",
-        )
-        # names such as "q8_0" are accepted for type_k/type_v; llama.cpp wants ggml ids
-        for side, ggml_id in (
-            ("type_k", self.kv_dtype.ggml_type_k),
-            ("type_v", self.kv_dtype.ggml_type_v),
-        ):
-            if isinstance(kwargs.get(side), str):
-                kwargs[side] = ggml_id
+        self.kv_dtype: KVDtypeResolution = resolve_user_kv_types(kwargs)
         self.in_generate = False
         self._chat_request = False  # inside create_chat_completion: a later prompt extends it
         self._epoch = 0  # request counter: a stream finalized late must not touch a newer one
@@ -116,39 +96,22 @@ class SkippyLlama(llama_cpp.Llama):
         aux = max(slots, 1 if wants_pages(settings) else 0)
         with adjusted(sequence_count(1 + aux)):
             super().__init__(model_path, **kwargs)
-        disabled: str | None = None
-        if self.context_params.embeddings:
-            disabled = "embedding contexts are not cached"
-        elif self._is_recurrent or self._is_hybrid:
-            arch = str(self.metadata.get("general.architecture", "unknown"))
-            disabled = paging_refusal(arch, (), recurrent=True)
-        # llama.cpp's device checkpoints view a quantized K/V range as size / type_size
-        # *elements* (blocks, not elements: 1/32 of a Q8_0 range is copied), so a restore brings
-        # back other cells' bytes; quantized caches keep their checkpoints in host memory instead
         p = self.context_params
-        on_device = all(t in _DEVICE_CHECKPOINT_TYPES for t in (p.type_k, p.type_v))
-        # host buffers for the blobs of L2/L3 restores and captures, reused: a fresh one each
-        # time spends longer in page faults than the state call takes (0.48 s for 720 MB on
-        # the H200 host); a capture stays with the L3 writer until it is cut. GPU builds keep
-        # two: a pipelined restore holds two chunks at once (see ``pipeline_restores``)
         on_cpu = backend_name() == "CPU"
-        pool = BufferPool(keep=1 if on_cpu else 2)
-        self.seam = KVSeam(self.ctx, pool, on_device=on_device)
+        self.seam = open_seam(self.ctx, p.type_k, p.type_v, on_cpu=on_cpu)
         self.working = seq = WorkingSequence(
             self,
             self.seam,
-            disabled_reason=disabled,
+            disabled_reason=probes.cache_refusal(self),
             allow_uncertified=settings.native.allow_uncertified,
             repair_generated=settings.l1.repair_generated,
         )
         seq.granule, refused = probes.canonical_granule(seq)
         seq.disabled_reason = seq.disabled_reason or refused
         seq.lone_decodes_exact = seq.granule == 1 and probes.lone_decodes_exact(seq)
-        #: Long page restores run in chunks, each read and assembled while the last is
-        #: imported (``KVSeam._pipelined``; needs the append import). On GPU builds: the H100's
-        #: first 32k-token L3 restore went from 0.56 to 0.34 of a cold prefill. On the CPU the
-        #: import is a memcpy with nothing to hide behind: 4-7k SmolLM2 tokens measured even to
-        #: 1.4x slower (``benchmarks/results/restore-chunked-cpu-s39.json``), so it is off.
+        #: Long page restores run in chunks, each read while the last is imported (needs the
+        #: append import): on an H100 a first 32k-token L3 restore went from 0.56 to 0.34 of cold;
+        #: on the CPU, where the import is a memcpy, up to 1.4x slower (restore-chunked-cpu-s39).
         self.pipeline_restores = not on_cpu
         offloaded = self.model_params.n_gpu_layers != 0 and bool(p.offload_kqv)
         if settings.pin_host_buffers:
@@ -156,7 +119,11 @@ class SkippyLlama(llama_cpp.Llama):
         window = int(llama_cpp.llama_model_n_swa(self._model.model))
         seq.sliding_window = window > 0
         self.l1_budget_tokens = l1_budget(
-            settings, self.n_ctx(), slots, on_device=on_device, disabled_reason=seq.disabled_reason
+            settings,
+            self.n_ctx(),
+            slots,
+            on_device=self.seam.on_device,
+            disabled_reason=seq.disabled_reason,
         )
         # the durable identity and pages need the layout now; L1 alone reads it only when
         # asked (cache_status), so loading costs what plain Llama's does
@@ -165,15 +132,15 @@ class SkippyLlama(llama_cpp.Llama):
             self, settings, layout, split_dependent=seq.granule > 1
         )
         costs = cost_model if cost_model is not None else CostModel()
-        #: What the load-time bus probe measured (``runtime/bus.py``), where pages may be
-        #: restored (None elsewhere, or when it failed): page tiers not yet measured are planned
-        #: at this rate.
-        self.bus: BusRate | None = None
-        if layout is not None and layout.pageable:
-            pinned = self.seam.buffers.pinner is not None
-            self.bus = bus_rate(backend_name(), kv_offloaded=offloaded, pinned=pinned)
-            if self.bus is not None:
-                costs.observe_bus(self.bus.n_bytes, self.bus.seconds)
+        #: The load-time bus probe's rate where pages may be restored (None elsewhere, or when it
+        #: failed): page tiers not yet measured are planned at it (``runtime/bus.py``).
+        self.bus: BusRate | None = seed_costs(
+            costs,
+            layout,
+            backend_name(),
+            kv_offloaded=offloaded,
+            pinned=self.seam.buffers.pinner is not None,
+        )
         self.prefix_cache = open_cache(
             settings,
             self.cache_identity,
@@ -184,53 +151,27 @@ class SkippyLlama(llama_cpp.Llama):
             budget=self.l1_budget_tokens,
             window=window,
         )
+        paths = open_page_paths(
+            self.ctx,
+            self.seam,
+            self.prefix_cache,
+            layout,
+            seq.verdict,
+            on_device=offloaded,
+            pinner=self.seam.buffers.pinner,
+        )
         #: Why pages read from L3 are assembled into a state blob rather than copied per layer
         #: from their own bytes straight into the KV tensors (None: copied; ``arena_setup.py``).
-        self.page_copy_refusal: str | None = "no pages"
-        if layout is not None:
-            try:
-                self.page_copy_refusal = enable_page_copies(
-                    self.ctx, self.seam, layout, seq.verdict, on_device=offloaded
-                )
-            except Exception as exc:  # fail-open: pages are assembled
-                self.page_copy_refusal = f"{type(exc).__name__}: {exc}"
-                self.seam.page_copies = False
+        self.page_copy_refusal: str | None = paths.page_copy_refusal
         #: Why L2 keeps page bytes rather than its host arena, whose restores copy pages per
-        #: layer straight into the KV tensors (None: the arena serves; ``arena_setup.py``).
-        self.arena_refusal: str | None = "no pages"
-        if layout is not None and self.prefix_cache.ram is not None:
-            try:
-                self.arena_refusal = attach_arena(
-                    self.ctx,
-                    self.seam,
-                    self.prefix_cache,
-                    layout,
-                    seq.verdict,
-                    pinner=self.seam.buffers.pinner,
-                )
-            except Exception as exc:  # fail-open: L2 keeps page bytes
-                self.arena_refusal = f"{type(exc).__name__}: {exc}"
-                log.warning("skippy-llama: no L2 arena (%s)", self.arena_refusal)
+        #: layer straight into the KV tensors (None: the arena serves).
+        self.arena_refusal: str | None = paths.arena_refusal
         #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
         #: the paged cache refuses) where they are exact, and for sliding-window models when L3
-        #: is on (their pages cannot rebuild a prefix, so L3 keeps points); None otherwise.
-        self.restore_points: RestorePointPath | None = None
-        swa_points = window > 0 and settings.l3.mode != "off" and seq.disabled_reason is None
-        if seq.disabled_reason is not None or swa_points:
-            root, l1 = self.cache_identity.root, settings.l1.enabled
-            model = self.cache_identity.model
-            owner = PointOwner(model.id, model.name or Path(model_path).name)
-            self.restore_points = open_restore_points(
-                seq,
-                l1_enabled=l1,
-                root=root,
-                tiers=lambda: build_point_tiers(settings),
-                owner=owner,
-                trace=lambda: TraceWriter.from_settings(
-                    settings.l3.trace_file, settings.page_tokens
-                ),
-                window=window if swa_points else 0,
-            )
+        #: is on; None otherwise.
+        self.restore_points: RestorePointPath | None = open_for_model(
+            seq, settings, self.cache_identity, model_path, window
+        )
         self.recorder = Recorder(seq, self.prefix_cache, 0 if on_cpu else DEFER_RECORD_TOKENS)
 
     @classmethod

@@ -1,5 +1,7 @@
 """Load-time probes: where this model, build and CPU let a cached prefix end, exactly.
 
+- :func:`cache_refusal`: why the paged cache refuses the model outright (embeddings,
+  recurrent or hybrid memory), read from its context and metadata alone.
 - :func:`canonical_granule`: reused prefixes end at multiples of this (1: any token).
 - :func:`lone_decodes_exact`: whether a token decoded alone leaves the cells and logits a
   batched prefill gives it (then a reply is reusable as generated).
@@ -17,6 +19,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from ..identity import paging_refusal
 from . import split_verdicts
 from .seam import backend_name, registered_backends
 from .working import WorkingSequence
@@ -46,6 +49,17 @@ _KERNEL_FIELDS = (
     "swa_full",
     "kv_unified",
 )
+
+
+def cache_refusal(llm: llama_cpp.Llama) -> str | None:
+    """Why the paged cache cannot serve ``llm`` at all (None: it may): embedding contexts, and
+    models whose memory is not per-token (recurrent or hybrid)."""
+    if llm.context_params.embeddings:
+        return "embedding contexts are not cached"
+    if llm._is_recurrent or llm._is_hybrid:
+        arch = str(llm.metadata.get("general.architecture", "unknown"))
+        return paging_refusal(arch, (), recurrent=True)
+    return None
 
 
 def canonical_granule(seq: WorkingSequence) -> tuple[int, str | None]:

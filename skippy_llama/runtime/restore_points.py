@@ -32,12 +32,15 @@ import logging
 import math
 import time
 from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
+from ..config import Settings
 from ..events import CacheEvent
+from ..identity import CacheIdentity
 from ..restore_points import (
     PointOwner,
     PointTier,
@@ -45,6 +48,7 @@ from ..restore_points import (
     RestorePointStore,
     prefill_points,
 )
+from ..tiers.factory import build_point_tiers
 from ..tiers.l3.trace import TraceWriter
 from . import native
 from .restore_probe import restores_exactly
@@ -120,6 +124,31 @@ def open_restore_points(
         owner or PointOwner(),
         trace=trace(),
         window=window,
+    )
+
+
+def open_for_model(
+    seq: WorkingSequence,
+    settings: Settings,
+    identity: CacheIdentity,
+    model_path: str,
+    window: int,
+) -> RestorePointPath | None:
+    """:func:`open_restore_points` for a loaded model: recurrent and hybrid models (which the
+    paged cache refuses) and sliding-window models (``window`` > 0) when L3 is on (their pages
+    cannot rebuild a prefix, so L3 keeps points); None for any other model."""
+    swa_points = window > 0 and settings.l3.mode != "off" and seq.disabled_reason is None
+    if seq.disabled_reason is None and not swa_points:
+        return None
+    model = identity.model
+    return open_restore_points(
+        seq,
+        l1_enabled=settings.l1.enabled,
+        root=identity.root,
+        tiers=lambda: build_point_tiers(settings),
+        owner=PointOwner(model.id, model.name or Path(model_path).name),
+        trace=lambda: TraceWriter.from_settings(settings.l3.trace_file, settings.page_tokens),
+        window=window if swa_points else 0,
     )
 
 
