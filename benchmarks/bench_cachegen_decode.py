@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
+from cachegen_common import load_average  # noqa: E402
 from cachegen_pages import make_page  # noqa: E402
 
 from skippy_llama.codecs import cachegen  # noqa: E402
@@ -106,19 +107,12 @@ def main() -> int:
         "benchmark": "bench_cachegen_decode",
         "against": args.against,
         "repeats": args.repeats,
-        "machine": {"cpu": platform.processor() or platform.machine(), "load": _load()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "load": load_average()},
         "rows": rows,
     }
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
     return 0
-
-
-def _load() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":

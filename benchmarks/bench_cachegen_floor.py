@@ -36,11 +36,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +50,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
+
+from cachegen_common import commit, load_average, qualifier  # noqa: E402
 
 from skippy_llama.codecs import cachegen  # noqa: E402
 from skippy_llama.codecs.cachegen import CacheGenParams  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> int:
 
     from skippy_llama.models import default_model_path
 
-    q = _qualifier()
+    q = qualifier()
     model = args.model or default_model_path()
     variants: dict[str, Callable[[bytes], bytes]] = {
         **{f"cachegen-{b}": cachegen_page(b) for b in args.bits},
@@ -201,9 +201,9 @@ def main() -> int:
     doc = {
         "benchmark": "bench_cachegen_floor",
         "command": " ".join(["benchmarks/bench_cachegen_floor.py", *sys.argv[1:]]),
-        "commit": _commit(),
+        "commit": commit(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "load": _load(), "threads": os.environ.get("LLCPP_FORCE_THREADS")},
+                    "load": load_average(), "threads": os.environ.get("LLCPP_FORCE_THREADS")},
         "model": model.name,
         "weights": args.weights,
         "flash_attn": args.flash_attn,
@@ -222,32 +222,6 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
     return 0
-
-
-def _qualifier() -> Any:
-    """``scripts/qualify_cachegen.py`` as a module (its texts, restore and scoring helpers)."""
-    spec = importlib.util.spec_from_file_location(
-        "qualify_cachegen", ROOT / "scripts" / "qualify_cachegen.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _commit() -> str:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return done.stdout.strip()
-
-
-def _load() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import platform
@@ -51,6 +50,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
+
+from cachegen_common import commit, load_average, qualifier  # noqa: E402
+
 #: bytes the proxy reads and forwards at a time: large, so a loaded machine's Python keeps up
 CHUNK = 256 << 10
 
@@ -216,7 +218,7 @@ def quality(model: str, windows: list[list[int]], prefix: int, params: Any) -> d
     """The gate's figures on the benchmark's own prompts (see the module docstring)."""
     import llama_cpp
 
-    q = _qualifier()
+    q = qualifier()
     from skippy_llama.codecs.quality import GATE, Quality, Scores
 
     q.PREFIX_PAGES = prefix // q.PAGE
@@ -264,7 +266,7 @@ def main() -> int:
     import llama_cpp
     from bench_remote import free_port, start_server
 
-    q = _qualifier()
+    q = qualifier()
     SCORED, texts = q.SCORED, q.texts
 
     from skippy_llama.codecs.cachegen import CacheGenParams
@@ -350,9 +352,9 @@ def main() -> int:
     doc = {
         "benchmark": "bench_remote_cachegen",
         "command": " ".join(["benchmarks/bench_remote_cachegen.py", *sys.argv[1:]]),
-        "commit": _commit(),
+        "commit": commit(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "load": _load(), "threads": os.environ.get("LLCPP_FORCE_THREADS")},
+                    "load": load_average(), "threads": os.environ.get("LLCPP_FORCE_THREADS")},
         "params": params.identity(),
         "roster_row_planted": True,
         "real_roster_row": roster,
@@ -365,32 +367,6 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
     return 0
-
-
-def _qualifier() -> Any:
-    """``scripts/qualify_cachegen.py`` as a module (its restore and scoring helpers)."""
-    spec = importlib.util.spec_from_file_location(
-        "qualify_cachegen", ROOT / "scripts" / "qualify_cachegen.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _commit() -> str:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return done.stdout.strip()
-
-
-def _load() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":
