@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
+from skippy_llama.config import Settings
+from skippy_llama.costs import AlwaysRestore
+from skippy_llama.events import CacheEvent
 from skippy_llama.runtime.chat_head import chat_formatter
+from skippy_llama.runtime.llama import SkippyLlama
+
+Logits = np.ndarray[Any, np.dtype[np.float32]]
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
@@ -30,18 +37,85 @@ def aligned(llm: llama_cpp.Llama, n: int) -> int:
     return n - n % granule
 
 
-def last_logits(llm: llama_cpp.Llama) -> np.ndarray[Any, np.dtype[np.float32]]:
+def last_logits(llm: llama_cpp.Llama) -> Logits:
     """Logits of the last decoded token (copied)."""
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
-def cold_logits(cold: llama_cpp.Llama, prompt: list[int]) -> np.ndarray[Any, np.dtype[np.float32]]:
+def cold_logits(cold: llama_cpp.Llama, prompt: list[int]) -> Logits:
     """Last-token logits of ``prompt`` prefilled from an empty context by the plain ``cold``."""
     cold.reset()
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(cold.ctx), True)
     cold.eval(prompt)
     return last_logits(cold)
+
+
+def text_tokens(path: Path, n: int, repeats: int = 4) -> list[int]:
+    """The first ``n`` tokens of ``TEXT`` repeated ``repeats`` times, by the model's vocabulary."""
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        return llm.tokenize((TEXT * repeats).encode())[:n]
+    finally:
+        llm.close()
+
+
+def prefill_logits(
+    path: Path, tokens: list[int], *, n_ctx: int, flash_attn: bool = False
+) -> Logits:
+    """The last logits of a one-shot prefill of ``tokens`` on a fresh plain ``Llama``."""
+    plain = llama_cpp.Llama(
+        str(path), n_ctx=n_ctx, n_batch=512, flash_attn=flash_attn, verbose=False
+    )
+    try:
+        plain.eval(tokens)
+        return last_logits(plain)
+    finally:
+        plain.close()
+
+
+def tiered_llama(
+    path: Path,
+    store: Path,
+    *,
+    n_ctx: int,
+    flash_attn: bool = False,
+    l2_budget: str | None = None,
+) -> SkippyLlama:
+    """SkippyLlama with L1 off, an L3 in ``store``, L2 only given ``l2_budget``, and every
+    restore taken (``AlwaysRestore``), so that a test sees the page tiers serve."""
+    settings = Settings(
+        l1={"enabled": False},
+        l2={"budget": l2_budget} if l2_budget is not None else {},
+        l3={"mode": "fixed", "budget": "1GiB", "directory": str(store), "minimum_free": "1GiB"},
+    )
+    return SkippyLlama(
+        str(path),
+        n_ctx=n_ctx,
+        n_batch=512,
+        flash_attn=flash_attn,
+        verbose=False,
+        cache_settings=settings,
+        cost_model=AlwaysRestore(),
+    )
+
+
+def serve_until(
+    llm: SkippyLlama, prompt: list[int], cold: Logits, tier: str, times: int, tries: int
+) -> tuple[list[CacheEvent], list[bool]]:
+    """Serve ``prompt`` from an empty working sequence until ``tier`` has served it ``times``
+    times or ``tries`` requests have run (L3 serves until its second fill promotes the pages
+    into L2); each request's cache event and whether its last logits equal ``cold``."""
+    events: list[CacheEvent] = []
+    exact: list[bool] = []
+    while sum(e.tier == tier for e in events) < times and len(events) < tries:
+        llm.reset()
+        llm.eval(prompt)
+        event = llm.last_cache_event
+        assert event is not None
+        events.append(event)
+        exact.append(bool((last_logits(llm) == cold).all()))
+    return events, exact
 
 
 class CountingLlama(llama_cpp.Llama):

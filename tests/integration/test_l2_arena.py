@@ -10,15 +10,10 @@ attention on (V rows) and off (V transposed, the library's default).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import llama_cpp
-import numpy as np
 import pytest
-from modelhelpers import TEXT, last_logits
+from modelhelpers import last_logits, prefill_logits, serve_until, text_tokens, tiered_llama
 
-from skippy_llama.config import Settings
-from skippy_llama.costs import AlwaysRestore
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
 
@@ -27,78 +22,35 @@ pytestmark = pytest.mark.model
 N_CTX = 1024
 DOC = 700  # five pages and a tail: one run of arena slots, cut inside the last page
 
-Logits = np.ndarray[Any, np.dtype[np.float32]]
-
-
-def _tokens(path: Path, repeats: int = 4, n: int = DOC + 200) -> list[int]:
-    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    try:
-        return llm.tokenize((TEXT * repeats).encode())[:n]
-    finally:
-        llm.close()
-
-
-def _cold_logits(path: Path, tokens: list[int], flash_attn: bool = False) -> Logits:
-    """The last logits of a one-shot prefill of ``tokens`` on plain ``Llama``."""
-    plain = llama_cpp.Llama(
-        str(path), n_ctx=N_CTX, n_batch=512, flash_attn=flash_attn, verbose=False
-    )
-    try:
-        plain.eval(tokens)
-        return last_logits(plain)
-    finally:
-        plain.close()
-
 
 def _arena_llama(path: Path, store: Path, flash_attn: bool = False) -> SkippyLlama:
     """SkippyLlama with L1 off, a 64 MiB L2 and an L3 in ``store``; every restore taken."""
-    settings = Settings(
-        l1={"enabled": False},
-        l2={"budget": "64MiB"},
-        l3={"mode": "fixed", "budget": "1GiB", "directory": str(store), "minimum_free": "1GiB"},
-    )
-    return SkippyLlama(
-        str(path),
-        n_ctx=N_CTX,
-        n_batch=512,
-        flash_attn=flash_attn,
-        verbose=False,
-        cache_settings=settings,
-        cost_model=AlwaysRestore(),
-    )
+    return tiered_llama(path, store, n_ctx=N_CTX, flash_attn=flash_attn, l2_budget="64MiB")
 
 
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa_off", "fa_on"])
 def test_l2_restores_from_the_arena_exactly(
     smollm2_path: Path, tmp_path: Path, flash_attn: bool
 ) -> None:
-    tokens = _tokens(smollm2_path)
+    tokens = text_tokens(smollm2_path, DOC + 200)
     doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    cold = _cold_logits(smollm2_path, doc + query, flash_attn)
+    cold = prefill_logits(smollm2_path, doc + query, n_ctx=N_CTX, flash_attn=flash_attn)
     llm = _arena_llama(smollm2_path, tmp_path, flash_attn)
     try:
         arena = llm.native_verdict.layer_copy
         assert (llm.arena_refusal is None) == arena, llm.arena_refusal
         llm.eval(doc + first)  # recorded into L3
         llm.recorder.flush()
-        tiers: list[str | None] = []
-        cached: list[int] = []
-        exact: list[bool] = []
         # L3 serves until its second fill promotes the pages (the first request may read the
         # record still in flight to L3, which is no fill); then L2, twice
-        while tiers.count("l2") < 2 and len(tiers) < 6:
-            llm.reset()
-            llm.eval(doc + query)
-            event = llm.last_cache_event
-            assert event is not None
-            tiers.append(event.tier)
-            cached.append(event.cached_tokens)
-            exact.append(bool((last_logits(llm) == cold).all()))
+        events, exact = serve_until(llm, doc + query, cold, "l2", times=2, tries=6)
         ram = llm.prefix_cache.ram
         assert ram is not None
         status = ram.status()
     finally:
         llm.close()
+    tiers = [event.tier for event in events]
+    cached = [event.cached_tokens for event in events]
     assert tiers[-2:] == ["l2", "l2"] and set(tiers[:-2]) == {"l3"}, tiers
     # (with flash attention on, cached prefixes end on the canonical batch boundary, 512 here)
     assert len(set(cached)) == 1 and cached[0] >= 512
@@ -112,9 +64,9 @@ def test_l2_restores_from_the_arena_exactly(
 def test_a_refused_arena_copy_falls_back_to_l3_exactly(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokens = _tokens(smollm2_path)
+    tokens = text_tokens(smollm2_path, DOC + 200)
     doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    cold = _cold_logits(smollm2_path, doc + query)
+    cold = prefill_logits(smollm2_path, doc + query, n_ctx=N_CTX)
     llm = _arena_llama(smollm2_path, tmp_path)
     try:
         if llm.arena_refusal is not None:
@@ -146,10 +98,10 @@ def test_a_refused_arena_copy_falls_back_to_l3_exactly(
 def test_a_prefix_past_l2_copies_the_arena_part_and_appends_the_rest(
     smollm2_path: Path, tmp_path: Path
 ) -> None:
-    tokens = _tokens(smollm2_path, repeats=8, n=1100)
+    tokens = text_tokens(smollm2_path, 1100, repeats=8)
     doc, longer = tokens[:DOC], tokens[:900]
     tail_a, tail_b = tokens[1000:1040], tokens[1040:1100]
-    cold = _cold_logits(smollm2_path, longer + tail_b)
+    cold = prefill_logits(smollm2_path, longer + tail_b, n_ctx=N_CTX)
     llm = _arena_llama(smollm2_path, tmp_path)
     try:
         if llm.arena_refusal is not None:

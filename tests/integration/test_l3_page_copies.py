@@ -12,12 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import pytest
-from modelhelpers import TEXT, last_logits
+from modelhelpers import Logits, last_logits, prefill_logits, serve_until, text_tokens, tiered_llama
 
-from skippy_llama.config import Settings
-from skippy_llama.costs import AlwaysRestore
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
 
@@ -27,49 +24,23 @@ N_CTX = 1024
 DOC = 700  # five pages and a tail, cut inside the last page
 
 
-def _tokens(path: Path) -> list[int]:
-    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+def _restarted(
+    path: Path, store: Path, flash_attn: bool, l2_budget: str | None = None
+) -> tuple[list[int], Logits, SkippyLlama]:
+    """A document recorded into L3 in ``store`` by one SkippyLlama, then a new one on the same
+    directory (a new process's view: nothing in memory): the prompt that continues the document
+    with another question, its cold logits, and the new SkippyLlama."""
+    tokens = text_tokens(path, DOC + 100)
+    doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
+    cold = prefill_logits(path, doc + query, n_ctx=N_CTX, flash_attn=flash_attn)
+    writer = tiered_llama(path, store, n_ctx=N_CTX, flash_attn=flash_attn)
     try:
-        return llm.tokenize((TEXT * 4).encode())[: DOC + 100]
+        writer.eval(doc + first)
+        assert writer.flush_cache(60.0)
     finally:
-        llm.close()
-
-
-def _cold(path: Path, tokens: list[int], flash_attn: bool) -> Any:
-    plain = llama_cpp.Llama(
-        str(path), n_ctx=N_CTX, n_batch=512, flash_attn=flash_attn, verbose=False
-    )
-    try:
-        plain.eval(tokens)
-        return last_logits(plain)
-    finally:
-        plain.close()
-
-
-def _open(path: Path, directory: Path, flash_attn: bool, **l2: str) -> SkippyLlama:
-    settings = Settings(
-        l1={"enabled": False},
-        l2=l2,
-        l3={"mode": "fixed", "budget": "1GiB", "directory": str(directory), "minimum_free": "1GiB"},
-    )
-    return SkippyLlama(
-        str(path),
-        n_ctx=N_CTX,
-        n_batch=512,
-        flash_attn=flash_attn,
-        verbose=False,
-        cache_settings=settings,
-        cost_model=AlwaysRestore(),
-    )
-
-
-def _write(path: Path, directory: Path, flash_attn: bool, tokens: list[int]) -> None:
-    llm = _open(path, directory, flash_attn)
-    try:
-        llm.eval(tokens)
-        assert llm.flush_cache(60.0)
-    finally:
-        llm.close()
+        writer.close()
+    llm = tiered_llama(path, store, n_ctx=N_CTX, flash_attn=flash_attn, l2_budget=l2_budget)
+    return doc + query, cold, llm
 
 
 def _count(monkeypatch: pytest.MonkeyPatch, llm: SkippyLlama, name: str) -> list[int]:
@@ -88,17 +59,13 @@ def _count(monkeypatch: pytest.MonkeyPatch, llm: SkippyLlama, name: str) -> list
 def test_a_restart_restores_l3_pages_by_copies_exactly(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flash_attn: bool
 ) -> None:
-    tokens = _tokens(smollm2_path)
-    doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    cold = _cold(smollm2_path, doc + query, flash_attn)
-    _write(smollm2_path, tmp_path, flash_attn, doc + first)
-    llm = _open(smollm2_path, tmp_path, flash_attn)  # a new process's view: nothing in memory
+    prompt, cold, llm = _restarted(smollm2_path, tmp_path, flash_attn)
     try:
         copies = llm.native_verdict.layer_copy
         assert (llm.page_copy_refusal is None) == copies, llm.page_copy_refusal
         copied = _count(monkeypatch, llm, "_copy_pages")
         assembled = _count(monkeypatch, llm, "_assemble")
-        llm.eval(doc + query)
+        llm.eval(prompt)
         event = llm.last_cache_event
         assert event is not None
         exact = bool((last_logits(llm) == cold).all())
@@ -117,30 +84,20 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
 def test_l3_pages_restored_by_copies_are_promoted_into_the_arena(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokens = _tokens(smollm2_path)
-    doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    cold = _cold(smollm2_path, doc + query, False)
-    _write(smollm2_path, tmp_path, False, doc + first)
-    llm = _open(smollm2_path, tmp_path, False, budget="64MiB")
+    prompt, cold, llm = _restarted(smollm2_path, tmp_path, False, l2_budget="64MiB")
     try:
         if llm.arena_refusal is not None:
             pytest.skip(f"no arena on this build: {llm.arena_refusal}")
         ram = llm.prefix_cache.ram
         assert ram is not None and ram.arena is not None
-        tiers: list[str | None] = []
-        exact: list[bool] = []
         # L3 serves (by copies) until its second fill promotes the pages into the arena
-        while tiers.count("l2") < 1 and len(tiers) < 4:
-            llm.reset()
-            llm.eval(doc + query)
-            event = llm.last_cache_event
-            assert event is not None and event.fallbacks == []
-            tiers.append(event.tier)
-            exact.append(bool((last_logits(llm) == cold).all()))
+        events, exact = serve_until(llm, prompt, cold, "l2", times=1, tries=4)
         status = ram.status()
     finally:
         llm.close()
+    tiers = [event.tier for event in events]
     assert tiers[0] == "l3" and tiers[-1] == "l2", tiers
+    assert all(event.fallbacks == [] for event in events), [e.fallbacks for e in events]
     assert all(exact), exact
     assert status.arena_hits > 0 and status.arena_bytes > 0
 
@@ -149,11 +106,7 @@ def test_l3_pages_restored_by_copies_are_promoted_into_the_arena(
 def test_a_refused_page_copy_falls_back_to_the_state_path_exactly(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokens = _tokens(smollm2_path)
-    doc, first, query = tokens[:DOC], tokens[DOC : DOC + 40], tokens[DOC + 40 : DOC + 100]
-    cold = _cold(smollm2_path, doc + query, False)
-    _write(smollm2_path, tmp_path, False, doc + first)
-    llm = _open(smollm2_path, tmp_path, False)
+    prompt, cold, llm = _restarted(smollm2_path, tmp_path, False)
     try:
         if llm.page_copy_refusal is not None:
             pytest.skip(f"no page copies on this build: {llm.page_copy_refusal}")
@@ -161,7 +114,7 @@ def test_a_refused_page_copy_falls_back_to_the_state_path_exactly(
         # cleared and the same plan goes by the stock state path
         monkeypatch.setattr(native_ext, "cells_set", lambda *args: False)
         assembled = _count(monkeypatch, llm, "_assemble")
-        llm.eval(doc + query)
+        llm.eval(prompt)
         event = llm.last_cache_event
         assert event is not None
         exact = bool((last_logits(llm) == cold).all())

@@ -52,6 +52,19 @@ def _check(path: Path, llm: Any, prompt: list[int]) -> tuple[str, int]:
     return str(event.tier), int(event.cached_tokens)
 
 
+def _recorded(path: Path, store: Path, family: str = "lfm2") -> list[int]:
+    """A document served once (cold, exactly) by a SkippyLlama that keeps its restore points
+    in an L3 in ``store``, then closed, so that only the disk holds them; the document."""
+    doc = _doc()
+    llm = _skippy(path, _tiers(store))
+    try:
+        points_or_skip(llm, family)
+        assert _check(path, llm, doc) == ("cold", 0)
+    finally:
+        llm.close()
+    return doc
+
+
 @pytest.mark.parametrize("family", _FAMILIES)
 def test_l3_restore_points_survive_a_restart(
     family: str, synthetic_models: dict[str, Path], tmp_path: Path
@@ -111,13 +124,7 @@ def test_a_damaged_l3_record_is_a_cold_miss(
     synthetic_models: dict[str, Path], tmp_path: Path
 ) -> None:
     path = synthetic_models["lfm2"]
-    doc = _doc()
-    llm = _skippy(path, _tiers(tmp_path / "l3"))
-    try:
-        points_or_skip(llm, "lfm2")
-        _check(path, llm, doc)
-    finally:
-        llm.close()
+    doc = _recorded(path, tmp_path / "l3")
     llm = _skippy(path, _tiers(tmp_path / "l3"))
     try:
         assert llm.restore_points is not None
@@ -153,13 +160,7 @@ llm.close()
 @pytest.mark.slow
 def test_a_new_process_restores_from_l3(synthetic_models: dict[str, Path], tmp_path: Path) -> None:
     path = synthetic_models["lfm2"]
-    doc = _doc()
-    llm = _skippy(path, _tiers(tmp_path / "l3"))
-    try:
-        points_or_skip(llm, "lfm2")
-        _check(path, llm, doc)
-    finally:
-        llm.close()
+    doc = _recorded(path, tmp_path / "l3")
     prompt = [*doc, 11, 12, 13]
     code = _CHILD.format(
         tests=str(Path(__file__).parent), model=str(path), l3=str(tmp_path / "l3"), prompt=prompt
