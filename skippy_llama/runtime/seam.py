@@ -114,6 +114,26 @@ def page_span(page: Page, first: int, end: int) -> native_ext.HostSpan:
     return native_ext.HostSpan(end - first, k, v, row_cells)
 
 
+def _note_short_read(plan: RestorePlan, n_read: int, notes: list[str], faults: list[str]) -> int:
+    """Note (a fallback note and a ``<tier>_short_read`` fault) a read that got only the first
+    ``n_read`` of ``plan``'s pages, a page missing or failing its digest; the tokens those pages
+    serve."""
+    notes.append(plan.short_note(n_read))
+    faults.append(f"{plan.pages[n_read].tier}_short_read")
+    return plan.n_tokens - sum(page.used for page in plan.pages[n_read:])
+
+
+def _cut_to_read(
+    plan: RestorePlan, n_read: int, notes: list[str], faults: list[str]
+) -> RestorePlan | None:
+    """``plan`` cut to its first ``n_read`` pages, read before the sequence was touched (all of
+    it when nothing is short), or None (noted) where a shallower plan does at least as well."""
+    if n_read >= len(plan.pages):
+        return plan
+    n_tokens = _note_short_read(plan, n_read, notes, faults)
+    return plan.truncated(n_tokens) if n_tokens > plan.floor else None
+
+
 @dataclass
 class _Fetched:
     """One chunk of a direct restore as the read-ahead thread left it: the pages read (a short
@@ -336,14 +356,10 @@ class KVSeam:
                 return self._pipelined(plan, parts, source, layout, notes, faults)
         if plan.pages:
             fetched = source.fetch(plan.pages)
-            if len(fetched) < len(plan.pages):
-                notes.append(plan.short_note(len(fetched)))
-                faults.append(f"{plan.pages[len(fetched)].tier}_short_read")
-                lost = sum(page.used for page in plan.pages[len(fetched) :])
-                if plan.n_tokens - lost <= plan.floor:
-                    # a shallower plan does at least as well; nothing was touched
-                    return RestoreOutcome(plan, failed=True)
-                plan = plan.truncated(plan.n_tokens - lost)
+            short = _cut_to_read(plan, len(fetched), notes, faults)
+            if short is None:
+                return RestoreOutcome(plan, failed=True)  # nothing was touched
+            plan = short
             try:
                 size = self._load_pages(plan, fetched, layout, append)
             except Exception as exc:
@@ -379,13 +395,10 @@ class KVSeam:
             if held is None:
                 return RestoreOutcome(plan, failed=True)  # pragma: no cover - checked before
             arena, slots = held
-            if len(slots) < len(plan.pages):
-                notes.append(plan.short_note(len(slots)))
-                faults.append(f"{plan.pages[len(slots)].tier}_short_read")
-                lost = sum(page.used for page in plan.pages[len(slots) :])
-                if plan.n_tokens - lost <= plan.floor:
-                    return RestoreOutcome(plan, failed=True)
-                plan = plan.truncated(plan.n_tokens - lost)
+            short = _cut_to_read(plan, len(slots), notes, faults)
+            if short is None:
+                return RestoreOutcome(plan, failed=True)  # nothing was touched
+            plan = short
             try:
                 cells = self._import_arena(plan, arena, slots[: len(plan.pages)], append)
             except Exception as exc:
@@ -450,8 +463,7 @@ class KVSeam:
                     # the live sequence as it was for a shallower plan
                     assert pending is not None
                     if not pending.result().got:
-                        notes.append(plan.short_note(0))
-                        faults.append(f"{plan.pages[0].tier}_short_read")
+                        _note_short_read(plan, 0, notes, faults)
                         return RestoreOutcome(plan, failed=True)
                 if not placed:
                     if base:
@@ -504,8 +516,7 @@ class KVSeam:
             promoted=True,  # each chunk was promoted as it was read
         )
         if done < len(plan.pages):
-            notes.append(plan.short_note(done))
-            faults.append(f"{plan.pages[done].tier}_short_read")
+            _note_short_read(plan, done, notes, faults)
             if n_tokens <= plan.floor or n_tokens <= base or not done:
                 self.cut(self._intact(plan))  # a shallower plan does at least as well
                 return RestoreOutcome(plan, failed=True)
@@ -728,9 +739,7 @@ class KVSeam:
             plan, restored=True, restored_bytes=size, fetched=tuple(fetched), promoted=True
         )
         if restored < len(plan.pages):
-            notes.append(plan.short_note(restored))
-            faults.append(f"{plan.pages[restored].tier}_short_read")
-            n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[restored:])
+            n_tokens = _note_short_read(plan, restored, notes, faults)
             if not restored:
                 # nothing was read: the working sequence is untouched
                 return RestoreOutcome(plan, failed=True)
