@@ -19,7 +19,7 @@ the rest are served by L2:
 
 Each L2 restore gives its time (``restore_ms``: the seam's execution of the plan, lookup and
 pages included), its rate (``restore_gbps``: K/V bytes over that time), where the time went
-(``phases_ms``, see ``bench_gpu.RESTORE_PHASES``) and the max |Δ| of the continuation's logits
+(``phases_ms``, see ``restore_common.RESTORE_PHASES``) and the max |Δ| of the continuation's logits
 against a one-shot cold prefill. ``memcpy_gbps`` is one host memory copy of the same bytes (the
 CPU's "bus"), measured in the same process.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,12 +43,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import _gbps, _logits, _timed_eval, _timed_phases
+from restore_common import last_logits, report_head, timed_eval, timed_phases, timed_request
 
 from skippy_llama.config import Settings
 from skippy_llama.costs import AlwaysRestore
 from skippy_llama.models import default_model_path
-from skippy_llama.runtime import arena_setup, native
+from skippy_llama.runtime import arena_setup
 from skippy_llama.runtime.llama import SkippyLlama
 
 SUFFIX = 64
@@ -85,8 +84,8 @@ def bench_layout(
     base = [int(t) for t in rng.integers(100, vocab - 100, n)]
     query = base + [int(t) for t in rng.integers(100, vocab - 100, SUFFIX)]
     other = [int(t) for t in rng.integers(100, vocab - 100, SUFFIX)]
-    cold_s = _timed_eval(plain, query)
-    cold = _logits(plain)
+    cold_s = timed_eval(plain, query)
+    cold = last_logits(plain)
     plain.close()
     out: dict[str, Any] = {"flash_attn": flash_attn, "tokens": n, "cold_s": round(cold_s, 3)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,27 +113,17 @@ def bench_layout(
                 ram.detach_arena()
                 llm.seam.layer_copies = False
                 llm.seam.page_copies = False
-            phases = _timed_phases(llm)
+            phases = timed_phases(llm)
             rows: list[dict[str, Any]] = []
             for _ in range(2 + runs):
-                for key in phases:
-                    phases[key] = 0.0
-                seconds = _timed_eval(llm, query)
+                row, seconds = timed_request(llm, query, cold, cold_s, phases)
                 event = llm.last_cache_event
                 assert event is not None
-                rows.append(
-                    {
-                        "tier": event.tier,
-                        "cached": event.cached_tokens,
-                        "restore_ms": round(event.restore_ms, 2),
-                        "wall_ms": round(seconds * 1e3, 2),
-                        "restored_bytes": event.restored_bytes,
-                        "restore_gbps": _gbps(event),
-                        "warm_over_cold": round(seconds / cold_s, 4),
-                        "max_abs_dlogit": float(np.abs(_logits(llm) - cold).max()),
-                        "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items() if v},
-                    }
-                )
+                row["wall_ms"] = round(seconds * 1e3, 2)
+                row["restored_bytes"] = event.restored_bytes
+                # the phases this request went through only
+                row["phases_ms"] = {k: round(v * 1e3, 2) for k, v in phases.items() if v}
+                rows.append(row)
             l2 = [r for r in rows if r["tier"] == "l2"]
             out[arm] = {
                 "arena": llm.seam.layer_copies,
@@ -169,15 +158,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or str(default_model_path())
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    report: dict[str, Any] = {
-        "command": " ".join(sys.argv),
-        "commit": commit or None,
-        "backend": native.backend_name(),
-        "layouts": [],
-    }
+    report: dict[str, Any] = {**report_head(), "layouts": []}
     for fa in args.flash_attn:
         row = bench_layout(model, args.tokens, args.runs, bool(fa), args.arms)
         arms = ", ".join(

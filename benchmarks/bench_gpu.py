@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,23 +50,22 @@ from skippy_llama.config import Settings
 from skippy_llama.runtime import native, seam
 from skippy_llama.runtime.llama import SkippyLlama
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from restore_common import (
+    last_logits,
+    report_head,
+    spread,
+    timed_eval,
+    timed_phases,
+    timed_request,
+    wrap_timed,
+)
+
 SUFFIX = 64
 #: L2's budget in the L2 arms: room for a 32k-token prefix of the 1.1B F16 model (700 MB) with
 #: its host arena small enough to be page-locked at load (``arena_setup.PIN_ARENA_MAX_BYTES``)
 L2_BUDGET = "4GiB"
-
-
-def _logits(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
-
-
-def _timed_eval(llm: llama_cpp.Llama, tokens: list[int]) -> float:
-    llm.reset()
-    started = time.perf_counter()
-    llm.eval(tokens)
-    llama_cpp.llama_synchronize(llm.ctx)
-    return time.perf_counter() - started
 
 
 def _settings(store: Path, *, l1: bool = True, l2: str | None = None) -> Settings:
@@ -86,8 +84,8 @@ def bench_size(
     base = [int(t) for t in rng.integers(100, vocab - 100, n)]
     query = base + [int(t) for t in rng.integers(100, vocab - 100, SUFFIX)]
     other = [int(t) for t in rng.integers(100, vocab - 100, 256)]
-    cold_s = min(_timed_eval(plain, query) for _ in range(2))
-    cold = _logits(plain)
+    cold_s = min(timed_eval(plain, query) for _ in range(2))
+    cold = last_logits(plain)
     plain.close()
     row: dict[str, Any] = {"tokens": n, "cold_s": round(cold_s, 4)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,13 +113,13 @@ def bench_size(
         sk = SkippyLlama(model, cache_settings=Settings(), **common)
         sk.eval(base)
         sk.eval(other)  # leaves the prefix: it is checkpointed
-        warm_s = _timed_eval(sk, query)
+        warm_s = timed_eval(sk, query)
         event = sk.last_cache_event
         row["l1"] = {
             "warm_over_cold": round(warm_s / cold_s, 4),
             "cached": event.cached_tokens if event else 0,
             "tier": event.tier if event else None,
-            "max_abs_dlogit": float(np.abs(_logits(sk) - cold).max()),
+            "max_abs_dlogit": float(np.abs(last_logits(sk) - cold).max()),
         }
         row["record_s"] = round(record_s[0], 4) if record_s else None
         row["record_over_cold"] = round(record_s[0] / cold_s, 4) if record_s else None
@@ -155,23 +153,9 @@ def bench_size(
             # second one (buffers reused); L2 promotes on a second fill (at once from 4,096
             # tokens): its last runs read it, the last one reported (buffers settled)
             runs = []
-            phases = _timed_phases(llm)
+            phases = timed_phases(llm)
             for _ in range(2 if tier.startswith("l3") else 4):
-                for key in phases:
-                    phases[key] = 0.0
-                seconds = _timed_eval(llm, query)
-                event = llm.last_cache_event
-                runs.append(
-                    {
-                        "warm_over_cold": round(seconds / cold_s, 4),
-                        "cached": event.cached_tokens if event else 0,
-                        "tier": event.tier if event else None,
-                        "restore_ms": round(event.restore_ms, 2) if event else None,
-                        "restore_gbps": _gbps(event),
-                        "max_abs_dlogit": float(np.abs(_logits(llm) - cold).max()),
-                        "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()},
-                    }
-                )
+                runs.append(timed_request(llm, query, cold, cold_s, phases)[0])
             row[tier] = {**runs[0 if tier.startswith("l3") else -1], "runs": runs}
             row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
             if tier.startswith("l2"):
@@ -180,58 +164,6 @@ def bench_size(
                 row[tier]["arena_pinned"] = ram.arena_pinned if ram is not None else False
             llm.close()
     return row
-
-
-def _gbps(event: Any) -> float | None:
-    """K/V bytes a restore moved over its time, in GB/s (None: nothing restored)."""
-    if event is None or not event.restored_bytes or not event.restore_ms:
-        return None
-    return round(float(event.restored_bytes) / (float(event.restore_ms) * 1e-3) / 1e9, 2)
-
-
-#: Where a restore's time goes (inclusive wall time of each step, summed over one request):
-#: ``fetch`` reads and verifies pages, ``take`` hands out a host buffer (waiting for its
-#: registration when it is still being pinned), ``assemble`` builds a blob from pages,
-#: ``promote`` copies pages read from L3 into L2, ``import`` loads a blob into llama.cpp,
-#: ``capture`` copies a waiting record's cells out before the prompt overwrites them. In a
-#: chunked restore fetch, assemble and promote run on the read-ahead thread, beside import.
-#: ``arena`` is a restore from L2's host arena by per-layer copies (its own lookup included).
-RESTORE_PHASES = ("fetch", "take", "assemble", "promote", "import", "capture", "arena")
-
-
-def _timed_phases(llm: SkippyLlama) -> dict[str, float]:
-    """Wrap ``llm``'s restore steps (instance attributes) to sum their wall time per phase."""
-    kv = llm.seam
-    owners = {
-        "fetch": (llm.prefix_cache.pages, "fetch"),
-        "take": (kv.buffers, "take"),
-        "assemble": (kv, "_assemble"),
-        "promote": (llm.prefix_cache.pages, "promote"),
-        "import": (kv, "_import"),
-        "capture": (kv, "capture"),
-        "arena": (kv, "_from_arena"),
-    }
-    return _wrap_timed({name: owners[name] for name in RESTORE_PHASES})
-
-
-def _wrap_timed(targets: dict[str, tuple[Any, str]]) -> dict[str, float]:
-    """Replace each ``(owner, attribute)`` method by one that adds its wall time to the
-    returned dict under its name (reset the values to measure a span)."""
-    spent = dict.fromkeys(targets, 0.0)
-
-    def wrap(name: str, method: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
-
-        return timed
-
-    for name, (owner, attr) in targets.items():
-        setattr(owner, attr, wrap(name, getattr(owner, attr)))
-    return spent
 
 
 #: SkippyLlama steps timed in the chat (inclusive wall time, summed over the chat): where its
@@ -249,7 +181,7 @@ _STEP_OWNER = {
 
 def _timed_steps(llm: SkippyLlama) -> dict[str, float]:
     """Wrap ``llm``'s steps (instance attributes) to sum their wall time into the result."""
-    return _wrap_timed(
+    return wrap_timed(
         {
             name: (getattr(llm, _STEP_OWNER[name]) if name in _STEP_OWNER else llm, name)
             for name in CHAT_STEPS
@@ -384,14 +316,9 @@ def bench_chat(
         summary: dict[str, Any] = {"runs": rows}
         if name != "plain":
             for key, label in (("total_s", "total_over_plain"), ("last_turn_s", "last_over_plain")):
-                ratios = sorted(
-                    row[key] / base[key] for row, base in zip(rows, runs["plain"], strict=True)
+                summary[label] = spread(
+                    [row[key] / base[key] for row, base in zip(rows, runs["plain"], strict=True)]
                 )
-                summary[label] = {
-                    "median": round(float(np.median(ratios)), 4),
-                    "min": round(ratios[0], 4),
-                    "max": round(ratios[-1], 4),
-                }
             summary["prefilled_over_plain"] = round(
                 rows[0]["prefilled_tokens"] / runs["plain"][0]["prefilled_tokens"], 4
             )
@@ -436,13 +363,10 @@ def bench_oneshot(
                     flush=True,
                 )
     for name in modes[1:]:
-        ratios = sorted(a / b for a, b in zip(totals[name], totals["plain"], strict=True))
         out[name] = {
-            "total_over_plain": {
-                "median": round(float(np.median(ratios)), 4),
-                "min": round(ratios[0], 4),
-                "max": round(ratios[-1], 4),
-            },
+            "total_over_plain": spread(
+                [a / b for a, b in zip(totals[name], totals["plain"], strict=True)]
+            ),
             "total_s": [round(t, 4) for t in totals[name]],
         }
     out["plain"] = {"total_s": [round(t, 4) for t in totals["plain"]]}
@@ -512,13 +436,8 @@ def main() -> None:
     if args.n_ubatch:
         common["n_ubatch"] = args.n_ubatch
     rng = np.random.default_rng(0)
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     report: dict[str, Any] = {
-        "command": " ".join(sys.argv),
-        "commit": commit or None,  # None: a copy without git (the lent GPU machines)
-        "backend": native.backend_name(),
+        **report_head(),
         "devices": native.device_names(),
         "settings": {k: v for k, v in common.items() if k != "verbose"},
         "buffers": args.buffers,
