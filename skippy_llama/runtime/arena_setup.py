@@ -8,8 +8,9 @@ format describes. Anywhere else L2 keeps page bytes and restores by the stock st
 
 The same copies restore pages read from L3 straight from their bytes (``KVSeam.page_copies``,
 :func:`enable_page_copies`): that needs everything above but L2. The arena's memory is committed
-ahead of use by a background thread (:func:`prefault`), so that the first promotion into slots
-never written before does not take its page faults on a request.
+ahead of use by a background thread (:func:`prefault`), a context's worth of slots
+(:func:`prefault_slots`), so that the first promotion into slots never written before does not
+take its page faults on a request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import mmap
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+import llama_cpp
 
 from ..cache import PrefixCache
 from ..hostmem import Pinner
@@ -99,26 +102,53 @@ def _madvise() -> Any:
     return call
 
 
-def prefault(arena: HostArena) -> threading.Thread | None:
-    """Commit ``arena``'s memory in a background thread (bounded by its size, i.e. the L2
-    budget), so a promotion into slots never written before does not pay the kernel's page
-    faults on a request (measured on the CPU: 228-252 ms at the first promotion of a 3,900-token
-    prefix). ``MADV_POPULATE_WRITE`` leaves the bytes as they are, so puts may run meanwhile,
-    and the call (through ctypes) lets the GIL go. Where the kernel lacks it nothing is done.
-    Returns the thread (None: not on Linux)."""
+def prefault_slots(arena: HostArena, n_ctx: int) -> int:
+    """How many of ``arena``'s first slots to commit at load: a context's worth of pages.
+
+    A request promotes at most one prefix, no longer than the context, and slots are handed
+    out in order from the first, so these are the slots the first promotion writes: it meets no
+    page faults. Committing every slot instead would take all of ``l2.budget`` from the
+    machine's RAM at load (an 8 GiB budget: 8 GiB, for as long as the process lives) whether L2
+    ever holds that much or not; a slot past these is committed by its first put, once."""
+    return min(arena.n_slots, -(-max(n_ctx, 0) // arena.page_tokens))
+
+
+def _page_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` widened to whole OS pages (``madvise`` takes page-aligned addresses), ranges
+    that then touch or overlap merged."""
+    page = mmap.PAGESIZE
+    out: list[tuple[int, int]] = []
+    for address, nbytes in spans:
+        lo, hi = address - address % page, address + nbytes
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return [(lo, hi - lo) for lo, hi in out]
+
+
+def prefault(arena: HostArena, n_slots: int | None = None) -> threading.Thread | None:
+    """Commit the memory of ``arena``'s first ``n_slots`` slots (None: all of them; see
+    :func:`prefault_slots`) in a background thread, so a promotion into slots never written
+    before does not pay the kernel's page faults on a request (measured on the CPU: 228-252 ms
+    at the first promotion of a 3,900-token prefix). ``MADV_POPULATE_WRITE`` leaves the bytes
+    as they are, so puts may run meanwhile, and the call (through ctypes) lets the GIL go.
+    Where the kernel lacks it nothing is done. Returns the thread (None: not on Linux)."""
     try:
         madvise = _madvise()
     except (OSError, AttributeError):
         return None
-    address, nbytes = arena.address, arena.nbytes
+    want = arena.n_slots if n_slots is None else n_slots
 
     def run() -> None:
-        for off in range(0, nbytes, PREFAULT_STEP):
-            if arena.closing:
-                return
-            if madvise(address + off, min(PREFAULT_STEP, nbytes - off), MADV_POPULATE_WRITE):
-                log.debug("skippy-llama: arena prefault stopped (errno %d)", ctypes.get_errno())
-                return
+        for address, nbytes in _page_ranges(arena.spans(want)):
+            for off in range(0, nbytes, PREFAULT_STEP):
+                if arena.closing:
+                    return
+                step = min(PREFAULT_STEP, nbytes - off)
+                if madvise(address + off, step, MADV_POPULATE_WRITE):
+                    log.debug("skippy-llama: arena prefault stopped (errno %d)", ctypes.get_errno())
+                    return
         arena.prefaulted = True
 
     thread = threading.Thread(target=run, name="skippy-arena-prefault", daemon=True)
@@ -151,8 +181,10 @@ def attach_arena(
         ram.arena_pinned = True
         arena.on_close = lambda: pinner.unpin(arena.buffer)
     else:
-        # a pinned arena is committed by the registration; a pageable one in the background
-        arena.prefault_thread = prefault(arena) if PREFAULT else None
+        # a pinned arena is committed by the registration; a pageable one in the background,
+        # a context's worth of it (prefault_slots says why not all)
+        want = prefault_slots(arena, int(llama_cpp.llama_n_ctx_seq(ctx)))
+        arena.prefault_thread = prefault(arena, want) if PREFAULT else None
     ram.attach_arena(arena)
     seam.layer_copies = True
     log.info(

@@ -233,6 +233,33 @@ class HostArena:
         cell = np.uint64(run.cell)
         return self.k_addr + cell * self.k_step, self.v_addr + cell * self.v_step
 
+    def spans(self, n_slots: int) -> list[tuple[int, int]]:
+        """The memory that holds slots ``[0, n_slots)``: (address, bytes) ranges in address
+        order, adjacent ones merged (one range for every slot). Each layer's K and V hold the
+        slots' cells at their start, and with V transposed each of its ``v_embd`` rows does."""
+        cells = max(0, min(n_slots, self.n_slots)) * self.page_tokens
+        out: list[tuple[int, int]] = []
+
+        def add(address: int, nbytes: int) -> None:
+            if out and out[-1][0] + out[-1][1] == address:
+                out[-1] = (out[-1][0], out[-1][1] + nbytes)
+            elif nbytes:
+                out.append((address, nbytes))
+
+        if not cells:
+            return out
+        layers = self.layout.layers
+        for il, layer in enumerate(layers):
+            add(int(self.k_addr[il]), cells * layer.k_row)
+        for il, layer in enumerate(layers):
+            if self.layout.v_trans:
+                row = self.capacity * layer.v_unit
+                for r in range(layer.v_embd):
+                    add(int(self.v_addr[il]) + r * row, cells * layer.v_unit)
+            else:
+                add(int(self.v_addr[il]), cells * layer.v_bytes_per_cell())
+        return out
+
     def close(self) -> None:
         """Release the memory (every view of it must be gone: a pinned arena is unpinned first)."""
         self.closing = True

@@ -169,6 +169,62 @@ def test_prefault_commits_the_arena_and_leaves_puts_intact() -> None:
     assert arena.closing
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_spans_hold_what_puts_into_the_first_slots_write(spec: Spec) -> None:
+    pages = pages_of(spec, 4 * PAGE)
+    arena = HostArena(pages[0].layout, PAGE, 10)
+    try:
+        spans = arena.spans(4)
+        assert sum(n for _, n in spans) == 4 * arena.slot_bytes
+        assert arena.spans(10) == arena.spans(99) == [(arena.address, arena.nbytes)]
+        assert arena.spans(0) == []
+
+        def inside(address: int, nbytes: int) -> bool:
+            return any(a <= address and address + nbytes <= a + n for a, n in spans)
+
+        for page in pages:
+            slot = arena.put(page)
+            assert slot is not None and slot.index < 4
+            held = arena.page(slot)
+            for a in (*held.k, *([] if spec.v_trans else held.v)):
+                assert inside(a.ctypes.data, a.nbytes)  # rows of cells: one block
+            for a in held.v if spec.v_trans else ():
+                # transposed V: v_embd rows, a capacity of cells apart
+                width = a.shape[1] * a.itemsize
+                assert all(inside(a.ctypes.data + r * a.strides[0], width) for r in range(len(a)))
+    finally:
+        arena.close()
+
+
+def test_prefault_commits_a_contexts_worth_of_slots_not_the_budget() -> None:
+    from skippy_llama.runtime.arena_setup import _page_ranges, prefault, prefault_slots
+
+    layout = pages_of(SPECS[1], 8)[0].layout
+    per_slot = PAGE * layout.kv_bytes_per_cell
+    arena = HostArena(layout, PAGE, (64 << 20) // per_slot)  # a 64 MiB L2 budget
+    try:
+        # a context's worth of pages, rounded up to whole slots; never more than the arena
+        assert prefault_slots(arena, 100 * PAGE) == 100
+        assert prefault_slots(arena, 100 * PAGE + 1) == 101
+        assert prefault_slots(arena, 1 << 40) == arena.n_slots
+        want = prefault_slots(arena, arena.n_slots // 16 * PAGE)
+        committed = sum(n for _, n in _page_ranges(arena.spans(want)))
+        assert committed < arena.nbytes // 8
+        before = _resident(arena.address)
+        thread = prefault(arena, want)
+        if thread is None:
+            pytest.skip("no madvise here")
+        thread.join(60)
+        if not arena.prefaulted:
+            pytest.skip("the kernel has no MADV_POPULATE_WRITE")
+        grew = _resident(arena.address) - before
+        # the first slots' memory (what a first promotion writes), not the whole budget (the
+        # mapping may share its kernel area with a little of the process's other memory)
+        assert want * arena.slot_bytes <= grew <= committed + (1 << 20)
+    finally:
+        arena.close()
+
+
 def _resident(address: int) -> int:
     """Resident bytes of the mapping that holds ``address`` (/proc/self/smaps)."""
     rss, inside = 0, False
