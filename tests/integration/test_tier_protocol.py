@@ -1,5 +1,6 @@
-"""A new tier is a new file: an in-memory page tier, defined here and registered with the tier
-factory, serves real prompts end to end with outputs equal to a cold model's.
+"""A new tier is a new file: an in-memory page tier, defined in one file (the tests'
+``fake_tiers.DictPages``) and registered with the tier factory here, serves real prompts end to
+end with outputs equal to a cold model's.
 
 Nothing in ``cache.py``, ``runtime/`` or the server knows this tier: it implements the page-tier
 protocol (``tiers/base.py``) and is built by a factory added to ``tiers.factory``.
@@ -8,11 +9,11 @@ protocol (``tiers/base.py``) and is built by a factory added to ``tiers.factory`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_tiers import DictPages
 
 from skippy_llama.config import Settings
 from skippy_llama.costs import CostModel
@@ -20,7 +21,6 @@ from skippy_llama.runtime.baseline import ColdLlama
 from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.tiers import factory
 from skippy_llama.tiers.base import PageTier, Tier
-from skippy_llama.tiers.records import PrefixRecord
 
 pytestmark = pytest.mark.model
 
@@ -28,72 +28,9 @@ DOC = "The harbour town kept its lighthouse lit through every winter storm. " * 
 QUESTIONS = ["Who kept the light?", "What season was hardest?", "Name the town."]
 
 
-@dataclass
-class MemoryStatus:
-    pages: int
-    fetches: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pages": self.pages, "fetches": self.fetches}
-
-
-@dataclass
-class MemoryTier:
-    """Pages in a dict, written synchronously when offered (a test's tier, not a product)."""
-
-    name: str = "memory"
-    takes_records: bool = True
-    in_memory: bool = False
-    serving: bool = True
-    pages: dict[bytes, bytes] = field(default_factory=dict)
-    index: dict[bytes, list[tuple[bytes, bytes]]] = field(default_factory=dict)
-    fetches: int = 0
-
-    def holds(self, key: bytes, *, queued: bool = False) -> bool:
-        return key in self.pages
-
-    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
-        return list(self.index.get(parent, ()))
-
-    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
-        self.fetches += 1
-        out: list[bytes | memoryview] = []
-        for key in keys:
-            if key not in self.pages:
-                break
-            out.append(self.pages[key])
-        return out
-
-    def offer(self, record: PrefixRecord) -> bool:
-        try:
-            for page in record.pages:
-                if page.payload is not None and page.key not in self.pages:
-                    self.pages[page.key] = page.data
-                    self.index.setdefault(page.parent, []).append((page.key, page.tokens))
-        finally:
-            record.drop()
-        return True
-
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
-        pass
-
-    def note_miss(self) -> None:
-        pass
-
-    def status(self) -> MemoryStatus:
-        return MemoryStatus(len(self.pages), self.fetches)
-
-    def clear(self) -> None:
-        self.pages.clear()
-        self.index.clear()
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
-def memory_tier(monkeypatch: pytest.MonkeyPatch) -> MemoryTier:
-    tier = MemoryTier()
+def memory_tier(monkeypatch: pytest.MonkeyPatch) -> DictPages:
+    tier = DictPages()
 
     def build(context: factory.TierContext, built: Sequence[Tier]) -> Tier | None:
         return tier if context.pageable else None
@@ -103,7 +40,7 @@ def memory_tier(monkeypatch: pytest.MonkeyPatch) -> MemoryTier:
 
 
 def test_a_tier_registered_in_a_test_serves_hits_equal_to_cold(
-    smollm2_path: Path, memory_tier: MemoryTier, always_restore: CostModel
+    smollm2_path: Path, memory_tier: DictPages, always_restore: CostModel
 ) -> None:
     assert isinstance(memory_tier, PageTier)
     args: dict[str, Any] = {"n_ctx": 1024, "verbose": False}

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fake_tiers import holding
 from test_cache_tree import IDENTITY
 from test_plan import PAGE, FakePages, FakeRemote
 
@@ -70,9 +71,9 @@ def test_a_remote_restore_changes_the_remote_tiers_rate_only() -> None:
     that served (remote): L3's and L2's rates are untouched."""
     tokens = np.arange(300, dtype=np.int32)
     keys = page_keys(IDENTITY.root, tokens[:256], PAGE)
-    l2 = FakePages("l2", keys={keys[0]}, takes_records=False)
-    l3 = FakePages("l3", keys={keys[0]})
-    remote = FakeRemote("remote", keys=set(keys))
+    l2 = FakePages("l2", holding(keys[:1]), takes_records=False)
+    l3 = FakePages("l3", holding(keys[:1]))
+    remote = FakeRemote("remote", holding(keys))
     cache = PrefixCache(
         identity=IDENTITY, page_tokens=PAGE, tiers=[l2, l3, remote], bytes_per_token=1000
     )

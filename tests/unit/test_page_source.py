@@ -2,68 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from fake_tiers import DictPages
 
 from skippy_llama.page_source import TierPages
 from skippy_llama.plan import FetchedPage, PageRef, PageSource
 from skippy_llama.tiers.base import PageTier
 from skippy_llama.tiers.ram import RamTier
-from skippy_llama.tiers.records import PrefixRecord
-
-
-@dataclass
-class Status:
-    name: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name}
-
-
-@dataclass
-class DictPages:
-    """A page tier over a dict; records what was promoted into it."""
-
-    name: str
-    held: dict[bytes, bytes] = field(default_factory=dict)
-    promoted: list[tuple[bytes, int]] = field(default_factory=list)
-    takes_records: bool = True
-    serving: bool = True
-    in_memory: bool = False
-
-    def holds(self, key: bytes, *, queued: bool = False) -> bool:
-        return key in self.held
-
-    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
-        return []
-
-    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
-        out: list[bytes | memoryview] = []
-        for key in keys:
-            if key not in self.held:
-                break
-            out.append(self.held[key])
-        return out
-
-    def offer(self, record: PrefixRecord) -> bool:
-        record.drop()
-        return False
-
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
-        self.promoted.append((key, prefix_tokens))
-
-    def note_miss(self) -> None:
-        pass
-
-    def status(self) -> Status:
-        return Status(self.name)
-
-    def clear(self) -> None:
-        self.held.clear()
-
-    def close(self) -> None:
-        pass
 
 
 def ref(tier: str, key: bytes) -> PageRef:

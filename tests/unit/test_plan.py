@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+from fake_tiers import DictPages, DictStatus
 
 from skippy_llama.costs import AlwaysRestore, CostModel
 from skippy_llama.identity import chain_key, page_keys
@@ -20,10 +21,6 @@ from skippy_llama.tiers.base import (
     ResidentTier,
     common_prefix,
 )
-from skippy_llama.tiers.records import PrefixRecord
-
-if TYPE_CHECKING:
-    from typing import Self  # Python 3.11; the tests also run on 3.10
 
 ROOT = b"r" * 16
 PAGE = 64
@@ -32,14 +29,6 @@ BYTES_PER_TOKEN = 1000
 
 def toks(n: int, start: int = 0) -> np.ndarray:
     return np.arange(start, start + n, dtype=np.int32)
-
-
-@dataclass
-class Status:
-    name: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 @dataclass
@@ -70,8 +59,8 @@ class FakeResident:
     def abandon_park(self, plan: ParkPlan) -> None:
         self.prefixes.pop(plan.seq_id, None)
 
-    def status(self) -> Status:
-        return Status(self.name)
+    def status(self) -> DictStatus:
+        return DictStatus(self.name)
 
     def clear(self) -> None:
         self.prefixes.clear()
@@ -81,51 +70,11 @@ class FakeResident:
 
 
 @dataclass
-class FakePages:
-    """A page tier holding the aligned pages of the prefixes it was given."""
+class FakePages(DictPages):
+    """A page tier holding the aligned pages of the prefixes it was given (:meth:`hold`)."""
 
-    name: str
-    keys: set[bytes] = field(default_factory=set)
-    takes_records: bool = True
-    in_memory: bool = False
-    serving: bool = True
-
-    def hold(self, tokens: np.ndarray) -> Self:
-        self.keys.update(page_keys(ROOT, tokens, PAGE))
-        return self
-
-    def holds(self, key: bytes, *, queued: bool = False) -> bool:
-        return key in self.keys
-
-    def children(self, parent: bytes, *, queued: bool = False) -> list[tuple[bytes, bytes]]:
-        return []
-
-    def fetch(self, keys: Sequence[bytes]) -> list[bytes | memoryview]:
-        out: list[bytes | memoryview] = []
-        for key in keys:
-            if key not in self.keys:
-                break
-            out.append(key)
-        return out
-
-    def offer(self, record: PrefixRecord) -> bool:
-        record.drop()
-        return False
-
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
-        pass
-
-    def note_miss(self) -> None:
-        pass
-
-    def status(self) -> Status:
-        return Status(self.name)
-
-    def clear(self) -> None:
-        self.keys.clear()
-
-    def close(self) -> None:
-        pass
+    root: bytes = ROOT
+    page_tokens: int = PAGE
 
 
 def planner(*tiers: Any, costs: CostModel | None = None) -> Planner:
@@ -378,7 +327,7 @@ class FakeRemote(FakePages):
         self.asked += 1
         depth = 0
         for key in keys:
-            if key not in self.keys:
+            if key not in self.pages:
                 break
             depth += 1
         parent = keys[depth - 1] if depth else ROOT

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_tiers import holding
 from test_cache_tree import IDENTITY, lookup, prompt, record, served
 from test_plan import PAGE as PLAN_PAGE
 from test_plan import FakePages, FakeRemote
@@ -264,18 +265,21 @@ class FakeMirror(FakePages):
     predicted: list[bytes] = field(default_factory=list)
 
     def predict(self, keys: Sequence[bytes]) -> int:
-        held = [key for key in keys if key in self.keys]
+        held = [key for key in keys if key in self.pages]
         self.predicted += held
         return len(held)
 
     def take_prefetched(
-        self, key: bytes, payload: bytes | memoryview, protect: frozenset[bytes]
+        self,
+        key: bytes,
+        payload: bytes | memoryview,
+        protect: frozenset[bytes],
     ) -> PrefetchFill:
-        if key in self.keys:
+        if key in self.pages:
             return "held"
-        if len(self.keys) >= self.room:
+        if len(self.pages) >= self.room:
             return "full"
-        self.keys.add(key)
+        self.pages[key] = bytes(payload)
         return "added"
 
 
@@ -286,9 +290,9 @@ def fake_cache(*tiers: FakePages) -> PrefixCache:
 def test_a_remote_tier_is_a_prefetch_source_and_any_prefetch_tier_a_target() -> None:
     tokens = np.arange(300, dtype=np.int32)
     keys = page_keys(IDENTITY.root, tokens[:256], PLAN_PAGE)
-    mirror = FakeMirror("mirror", keys={keys[0]}, takes_records=False)
-    disk = FakePages("disk", keys=set(keys[:2]))
-    remote = FakeRemote("remote", keys=set(keys))
+    mirror = FakeMirror("mirror", holding(keys[:1]), takes_records=False)
+    disk = FakePages("disk", holding(keys[:2]))
+    remote = FakeRemote("remote", holding(keys))
     assert isinstance(mirror, PrefetchTier) and not isinstance(disk, PrefetchTier)
     cache = fake_cache(mirror, disk, remote)
     assert cache.can_prefetch
@@ -297,7 +301,7 @@ def test_a_remote_tier_is_a_prefetch_source_and_any_prefetch_tier_a_target() -> 
 
     # page 0 was held, page 1 came from the disk tier, pages 2 and 3 from the remote one
     assert (result.stopped, result.held, result.pages, result.tokens) == ("complete", 1, 3, 256)
-    assert mirror.keys == set(keys) and mirror.predicted == [keys[0]]
+    assert set(mirror.pages) == set(keys) and mirror.predicted == [keys[0]]
     assert remote.asked == 1
     plan = cache.plan(Prompt(tokens, 298))
     assert (plan.tier, plan.page_tiers) == ("mirror", ("mirror",))
@@ -310,7 +314,7 @@ def test_a_prefetch_needs_a_target_and_a_deeper_source() -> None:
     for cache in (only_source, only_target):
         assert not cache.can_prefetch and cache.prefetch(tokens).stopped == "off"
     full = FakeMirror("mirror", takes_records=False, room=1)
-    remote = FakeRemote("remote", keys=set(page_keys(IDENTITY.root, tokens[:256], PLAN_PAGE)))
+    remote = FakeRemote("remote", holding(page_keys(IDENTITY.root, tokens[:256], PLAN_PAGE)))
     result = fake_cache(full, remote).prefetch(tokens)
     assert (result.stopped, result.pages, result.tokens) == ("full", 1, 64)
 
