@@ -28,7 +28,14 @@ import numpy as np
 import numpy.typing as npt
 
 from .plan import Planner, Prompt
-from .tiers.base import PageTier, PathStep, PrefetchFill, PrefetchTier
+from .tiers.base import (
+    DigestedPageTier,
+    PageTier,
+    PathStep,
+    Payload,
+    PrefetchFill,
+    PrefetchTier,
+)
 
 log = logging.getLogger("skippy_llama")
 
@@ -47,7 +54,7 @@ READ_CHUNK_BYTES = 64 << 20
 #: * ``full``: the target had no room the prefetch may take (see ``tiers/ram.py``);
 #: * ``too_large``: a page is over the target's payload cap;
 #: * ``foreign``: a page the target may not hold (L2 mirrors L3: a page only the remote tier
-#:   holds is not one);
+#:   holds is not one, nor bytes L3 rewrote or dropped after the prefetch read them);
 #: * ``miss``: a page was missing, damaged or unreadable in its source tier (counted there);
 #: * ``stopped``: the caller's ``stop`` asked it to (a request is waiting, a batch ends);
 #: * ``error``: an unexpected fault, counted and logged.
@@ -84,6 +91,14 @@ class PrefetchResult:
     tokens: int = 0
     stored_tokens: int = 0
     stopped: StopReason = "off"
+
+
+def _read(source: PageTier, keys: Sequence[bytes]) -> list[tuple[Payload, bytes | None]]:
+    """Pages of the longest prefix of ``keys`` that ``source`` holds, each with the digest its
+    read verified where the tier keeps one (:class:`DigestedPageTier`), else None."""
+    if isinstance(source, DigestedPageTier):
+        return list(source.fetch_digested(keys))
+    return [(payload, None) for payload in source.fetch(keys)]
 
 
 def prefetch_target(tiers: Sequence[PageTier]) -> PrefetchTier | None:
@@ -144,11 +159,11 @@ class Prefetcher:
             if stop is not None and stop():
                 stopped = "stopped"
                 break
-            got = sources[run[0]].fetch([steps[i].key for i in run])
-            for i, payload in zip(run, got, strict=False):
+            got = _read(sources[run[0]], [steps[i].key for i in run])
+            for i, (payload, digest) in zip(run, got, strict=False):
                 # a view into this thread's read buffer: the target copies it before the next
                 # read reuses the buffer
-                outcome = target.take_prefetched(steps[i].key, payload, protect)
+                outcome = target.take_prefetched(steps[i].key, payload, protect, digest)
                 if outcome == "added":
                     pages += 1
                     nbytes += len(payload)

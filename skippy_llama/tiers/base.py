@@ -166,7 +166,7 @@ class PageTier(Tier, Protocol):
 
 #: What a prefetch target did with a page offered to it: ``added``, ``held`` (it had the same
 #: bytes), ``too_large`` (over its payload cap), ``full`` (no room it may take) or ``foreign``
-#: (not a page it may hold: a mirror keeps only pages of the tier it mirrors).
+#: (not a page it may hold: a mirror keeps only the current bytes of the tier it mirrors).
 PrefetchFill = Literal["added", "held", "too_large", "full", "foreign"]
 
 
@@ -182,11 +182,25 @@ class PrefetchTier(PageTier, Protocol):
         ...
 
     def take_prefetched(
-        self, key: bytes, payload: Payload, protect: frozenset[bytes]
+        self, key: bytes, payload: Payload, protect: frozenset[bytes], digest: bytes | None
     ) -> PrefetchFill:
         """Keep a copy of page ``key`` a prefetch read from a deeper tier (``payload`` may be a
         view into a read buffer: copy it), evicting none of ``protect`` (the same prompt's
-        other pages)."""
+        other pages). ``digest``: the one the read verified for these bytes, where the source
+        tier keeps digests (:class:`DigestedPageTier`; None where it does not)."""
+        ...
+
+
+@runtime_checkable
+class DigestedPageTier(PageTier, Protocol):
+    """A page tier whose reads say which bytes they returned (L3: the digest each page's read
+    verified), so a mirror of it keeps a prefetched copy under the digest of the bytes it
+    copied. A digest asked after the read could answer for bytes written since, and the mirror
+    would then serve the old bytes as the new ones."""
+
+    def fetch_digested(self, keys: Sequence[bytes]) -> list[tuple[Payload, bytes]]:
+        """Written pages of the longest prefix of ``keys`` held, each with its read's digest;
+        never raises."""
         ...
 
 

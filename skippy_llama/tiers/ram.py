@@ -398,13 +398,20 @@ class RamTier:
         """L2's misses are counted per page by :meth:`get`."""
 
     def take_prefetched(
-        self, key: bytes, payload: bytes | memoryview, protect: frozenset[bytes] = frozenset()
+        self,
+        key: bytes,
+        payload: bytes | memoryview,
+        protect: frozenset[bytes] = frozenset(),
+        digest: bytes | None = None,
     ) -> PrefetchFill:
         """A page a prefetch read from a deeper tier (the prefetch protocol, ``tiers/base.py``),
-        kept as a prediction with L3's current digest (:meth:`prefetch_fill`); ``foreign``
-        when L3 does not hold it (a page only the remote tier has): L2 mirrors L3 alone."""
-        digest = self.source.digest(key) if self.source is not None else None
-        if digest is None:
+        kept as a prediction under ``digest``, the one L3's read verified for these bytes
+        (:meth:`prefetch_fill`). ``foreign`` unless they are L3's current bytes: bytes with no
+        digest from L3 (a page only the remote tier has; L2 mirrors L3 alone), or bytes L3 has
+        rewritten or dropped since the read. The copy keeps the read's digest, never one asked
+        now: a later :meth:`get` compares it with L3's, so a page L3 rewrites after this call
+        is dropped there, not served."""
+        if digest is None or self.source is None or self.source.digest(key) != digest:
             return "foreign"
         return self.prefetch_fill(key, payload, digest, protect)
 

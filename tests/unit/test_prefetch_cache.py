@@ -274,6 +274,7 @@ class FakeMirror(FakePages):
         key: bytes,
         payload: bytes | memoryview,
         protect: frozenset[bytes],
+        digest: bytes | None = None,
     ) -> PrefetchFill:
         if key in self.pages:
             return "held"
@@ -327,5 +328,45 @@ def test_l2_takes_no_page_l3_lacks_from_a_prefetch(make: Make) -> None:
     ram = cache.ram
     assert ram is not None
     key = page_keys(cache.root, a[:128], PAGE)[0]
-    assert ram.take_prefetched(b"\x09" * 16, b"payload") == "foreign"
-    assert ram.take_prefetched(key, b"payload") == "added" and ram.holds(key)
+    digest = cache.disk.digest(key) if cache.disk is not None else None
+    assert digest is not None
+    assert ram.take_prefetched(b"\x09" * 16, b"payload", digest=digest) == "foreign"
+    # bytes read from a tier that keeps no L3 digest (the remote one), though L3 has the page
+    assert ram.take_prefetched(key, b"payload") == "foreign" and not ram.holds(key)
+    assert ram.take_prefetched(key, b"payload", digest=digest) == "added" and ram.holds(key)
+
+
+def test_a_page_l3_rewrites_after_a_prefetch_read_it_is_never_served_from_l2(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2 keeps a prefetched copy under the digest the read verified. Asked after the read, L3
+    would give the digest of bytes written since, and L2 would serve the old bytes as those."""
+    cache = make()
+    a = prompt(0, 600, seed=1)
+    record(cache, a)
+    ram, disk = cache.ram, cache.disk
+    assert ram is not None and disk is not None
+    keys = page_keys(cache.root, a[:512], PAGE)
+    real_fetch, real_digest = disk.fetch_digested, disk.digest
+    now = {key: real_digest(key) for key in keys}
+
+    def rewritten(key: bytes) -> bytes | None:
+        return now[key] if key in now else real_digest(key)
+
+    def read_then_rewrite(ks: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
+        got = real_fetch(ks)
+        now[keys[1]] = b"\xee" * 16  # another process records page 1 anew after this read
+        return got
+
+    monkeypatch.setattr(disk, "digest", rewritten)
+    monkeypatch.setattr(disk, "fetch_digested", read_then_rewrite)
+    result = cache.prefetch(a)
+    assert (result.stopped, result.pages, result.tokens) == ("foreign", 1, PAGE)
+    assert ram.holds(keys[0]) and not ram.holds(keys[1])
+
+    # a page rewritten after L2 took it: the copy keeps its read's digest, and the lookup that
+    # finds L3's new one drops it (a miss), never serves it
+    now[keys[0]] = b"\xdd" * 16
+    mismatches = ram.status().digest_mismatches
+    assert ram.fetch(keys[:1]) == []
+    assert not ram.holds(keys[0]) and ram.status().digest_mismatches == mismatches + 1

@@ -305,6 +305,14 @@ class DiskTier:
         self._count_read(len(result.pages), sum(m.size for m in result.metas))
         return result.pages
 
+    def fetch_digested(self, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
+        """:meth:`read` (stored pages only), each page with the digest its read verified: what
+        a mirror (L2) keeps beside a copy. Asking :meth:`digest` afterwards could answer for
+        bytes written since. Never raises."""
+        result = self._stored(keys)
+        self._count_read(len(result.pages), sum(m.size for m in result.metas))
+        return [(page, meta.digest) for page, meta in zip(result.pages, result.metas, strict=False)]
+
     def _stored(self, keys: Sequence[bytes]) -> ReadResult:
         """The stored prefix of ``keys``, uncounted."""
         if not self.serving or not keys:
