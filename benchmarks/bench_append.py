@@ -34,9 +34,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import numpy as np
 from patched_common import TEXT, provenance
+from restore_common import last_logits
 
 from skippy_llama.config import Settings
 from skippy_llama.models import resolve_model_path
@@ -50,11 +50,6 @@ FIELDS = (
     "tier", "cached_tokens", "l1_tokens", "appended_tokens", "restored_bytes",
     "lookup_ms", "restore_ms", "prefill_ms", "ttft_ms",
 )  # fmt: skip
-
-
-def _logits(llm: llama_cpp.Llama) -> np.ndarray[Any, Any]:
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
 def main() -> int:
@@ -101,14 +96,14 @@ def main() -> int:
             for mode in order:
                 llm.create_completion(setup, max_tokens=1)  # the live L1 prefix: short tokens
                 # the verdict SkippyLlama read at load (its ``native_verdict``), swapped per arm
-                llm.working._verdict = verdict if mode == "append" else no_append
+                llm.working.verdict = verdict if mode == "append" else no_append
                 llm.create_completion(prompt, max_tokens=1)
                 event = llm.last_cache_event
                 assert event is not None and event.tier == "l3", event
                 appended = event.l1_tokens > 0 and event.appended_tokens > 0
                 if appended != (mode == "append"):
                     raise SystemExit(f"bench_append: the {mode} arm was served otherwise: {event}")
-                logits.setdefault(mode, _logits(llm))
+                logits.setdefault(mode, last_logits(llm))
                 runs[mode].append({k: getattr(event, k) for k in FIELDS})
                 print(
                     f"{mode:8s} rep {rep}: {event.tier} cached {event.cached_tokens} "

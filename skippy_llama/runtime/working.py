@@ -204,6 +204,13 @@ class WorkingSequence:
             self._verdict = found
         return self._verdict
 
+    @verdict.setter
+    def verdict(self, verdict: Verdict) -> None:
+        """Plan with ``verdict`` from now on: a benchmark's arm narrows the certified lanes to
+        take a stock path on a patched build (``benchmarks/bench_append.py``). What the load
+        set up from the verdict it read (page copies, L2's arena) stays as it is."""
+        self._verdict = verdict
+
 
 def guard(cache: PrefixCache, step: str, event: CacheEvent | None, work: Callable[[], Any]) -> bool:
     """Run one cache step; any exception becomes a fallback counted in ``cache`` (fail-open).
