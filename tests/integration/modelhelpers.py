@@ -100,21 +100,28 @@ def tiered_llama(
     )
 
 
+def serve(llm: SkippyLlama, prompt: list[int], cold: Logits) -> tuple[CacheEvent, bool]:
+    """Serve ``prompt`` from an empty working sequence: its cache event and whether its last
+    logits equal ``cold``."""
+    llm.reset()
+    llm.eval(prompt)
+    event = llm.last_cache_event
+    assert event is not None
+    return event, bool((last_logits(llm) == cold).all())
+
+
 def serve_until(
     llm: SkippyLlama, prompt: list[int], cold: Logits, tier: str, times: int, tries: int
 ) -> tuple[list[CacheEvent], list[bool]]:
-    """Serve ``prompt`` from an empty working sequence until ``tier`` has served it ``times``
-    times or ``tries`` requests have run (L3 serves until its second fill promotes the pages
-    into L2); each request's cache event and whether its last logits equal ``cold``."""
+    """:func:`serve` ``prompt`` until ``tier`` has served it ``times`` times or ``tries``
+    requests have run (L3 serves until its second fill promotes the pages into L2); each
+    request's cache event and whether its last logits equal ``cold``."""
     events: list[CacheEvent] = []
     exact: list[bool] = []
     while sum(e.tier == tier for e in events) < times and len(events) < tries:
-        llm.reset()
-        llm.eval(prompt)
-        event = llm.last_cache_event
-        assert event is not None
+        event, same = serve(llm, prompt, cold)
         events.append(event)
-        exact.append(bool((last_logits(llm) == cold).all()))
+        exact.append(same)
     return events, exact
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modelhelpers import Logits, last_logits, prefill_logits, serve_until, text_tokens, tiered_llama
+from modelhelpers import Logits, prefill_logits, serve, serve_until, text_tokens, tiered_llama
 
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
@@ -65,10 +65,7 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
         assert (llm.page_copy_refusal is None) == copies, llm.page_copy_refusal
         copied = _count(monkeypatch, llm, "_copy_pages")
         assembled = _count(monkeypatch, llm, "_assemble")
-        llm.eval(prompt)
-        event = llm.last_cache_event
-        assert event is not None
-        exact = bool((last_logits(llm) == cold).all())
+        event, exact = serve(llm, prompt, cold)
     finally:
         llm.close()
     assert event.tier == "l3" and event.cached_tokens >= 512 and event.fallbacks == []
@@ -114,10 +111,7 @@ def test_a_refused_page_copy_falls_back_to_the_state_path_exactly(
         # cleared and the same plan goes by the stock state path
         monkeypatch.setattr(native_ext, "cells_set", lambda *args: False)
         assembled = _count(monkeypatch, llm, "_assemble")
-        llm.eval(prompt)
-        event = llm.last_cache_event
-        assert event is not None
-        exact = bool((last_logits(llm) == cold).all())
+        event, exact = serve(llm, prompt, cold)
     finally:
         llm.close()
     assert event.tier == "l3" and event.cached_tokens >= 512
