@@ -264,11 +264,22 @@ class SkippyLlama(llama_cpp.Llama):
         reset = kwargs.get("reset", True)
         if self.restore_points is not None and reset and len(tokens) > 0:
             self.reset()  # the live sequence holds lone-decoded tokens: never continued
+            self._epoch += 1
+            epoch = self._epoch
 
             def ended(event: CacheEvent) -> None:
                 self.last_cache_event = event
 
-            return (yield from self.restore_points.generate(tokens, args, kwargs, ended))
+            # Llama.generate decodes the rest through self.eval: plain decoding after the
+            # restore, never the paged cache's restore (a sliding-window model keeps its paged
+            # L1 beside the points; that path did not know the restored cells and decoded the
+            # whole prompt again: Gemma 3 after a restart from L3 took 1.2-1.8x cold)
+            self.in_generate = True
+            try:
+                return (yield from self.restore_points.generate(tokens, args, kwargs, ended))
+            finally:
+                if epoch == self._epoch:
+                    self.in_generate = False
         if not self.caching or not reset or len(tokens) == 0:
             return (yield from super().generate(tokens, *args, **kwargs))
         self._epoch += 1

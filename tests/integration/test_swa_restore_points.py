@@ -7,12 +7,15 @@ or inside the first window); every continuation equals a cold prefill, in a new
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 from test_restore_point_tiers import _check, _tiers
-from test_restore_points import _skippy, points_or_skip
+from test_restore_points import _greedy, _skippy, points_or_skip
 
 from skippy_llama.restore_points import is_composed
 from skippy_llama.runtime.restore_points import SWA_ALIGN
@@ -27,7 +30,18 @@ def _doc(n: int) -> list[int]:
     return [int(t) for t in rng.integers(3, 200_000, size=n)]
 
 
-def test_gemma3_points_in_l3_survive_a_restart(gemma3_path: Path, tmp_path: Path) -> None:
+def test_gemma3_points_in_l3_survive_a_restart(
+    gemma3_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded: list[int] = []
+    plain_eval = llama_cpp.Llama.eval
+
+    def counting_eval(self: llama_cpp.Llama, tokens: Sequence[int]) -> Any:
+        decoded.append(len(tokens))
+        return plain_eval(self, tokens)
+
+    # a spy on what is decoded: the cached answer must also be cheaper, not only equal
+    monkeypatch.setattr(llama_cpp.Llama, "eval", counting_eval)
     doc = _doc(600)
     llm = _skippy(gemma3_path, _tiers(tmp_path / "l3"), n_ctx=1024)
     try:
@@ -51,6 +65,14 @@ def test_gemma3_points_in_l3_survive_a_restart(gemma3_path: Path, tmp_path: Path
         llm.close()
     again = _skippy(gemma3_path, _tiers(tmp_path / "l3"), n_ctx=1024)
     try:
+        decoded.clear()
+        _greedy(again, [*doc, 6], 1)
+        # only the 89 tokens after the point: the paged L1 beside the points once decoded
+        # the whole prompt again here (regression, issue 46)
+        event, points = again.last_cache_event, again.restore_points
+        assert event is not None and points is not None
+        assert (event.tier, decoded) == ("l3", [601 - 512])
+        points.store.clear()
         assert _check(gemma3_path, again, [*doc, 6]) == ("l3", 512)
         # at 256 only where 256 is a multiple of n_ubatch
         assert _check(gemma3_path, again, doc[:300]) == (
