@@ -162,6 +162,53 @@ def prefill_points(start: int, end: int, every: int) -> list[int]:
     return out
 
 
+def lone_ubatch(n: int, n_batch: int, n_ubatch: int) -> bool:
+    """Whether ``Llama.eval`` of ``n`` tokens hands llama.cpp a micro-batch of a single token:
+    it decodes batches of ``n_batch`` tokens, which llama.cpp cuts into micro-batches of
+    ``n_ubatch`` (at most ``n_batch``), the last of each batch shorter.
+
+    Example:
+        >>> lone_ubatch(1, 512, 512), lone_ubatch(513, 512, 512), lone_ubatch(514, 512, 512)
+        (True, True, False)
+    """
+    unit = max(1, min(n_ubatch, n_batch))
+    if n <= 0:
+        return False
+    if unit == 1:
+        return True
+    return any(min(n_batch, n - start) % unit == 1 for start in range(0, n, n_batch))
+
+
+def lone_free_points(
+    start: int, end: int, points: Sequence[int], n_batch: int, n_ubatch: int
+) -> list[int] | None:
+    """Of ``points`` (ascending, inside ``(start, end)``), those a prefill of ``[start, end)``
+    may stop at so that no decode hands llama.cpp a one-token micro-batch (each piece between
+    consecutive stops, and the last one up to ``end``, decoded by one ``Llama.eval``); None
+    when even the whole ``[start, end)`` in one piece would decode one (see
+    :func:`lone_ubatch`). Builds whose lone decodes differ from batched ones (stock
+    ggml-cpu, without patch 0004) restore and prefill only along such pieces.
+
+    Example:
+        >>> lone_free_points(0, 514, [256, 513], 512, 512)
+        [256]
+        >>> lone_free_points(512, 513, [], 512, 512) is None
+        True
+    """
+    kept: list[int] = []
+    prev = start
+    for p in points:
+        if not lone_ubatch(p - prev, n_batch, n_ubatch):
+            kept.append(p)
+            prev = p
+    while lone_ubatch(end - prev, n_batch, n_ubatch):
+        if not kept:
+            return None
+        kept.pop()
+        prev = kept[-1] if kept else start
+    return kept
+
+
 #: Cell-ext bytes a hybrid model's attention cells may carry (0, or 12 for M-RoPE models such as
 #: Qwen3.5); the state does not say which, so :func:`compose_point` tries each and keeps the one
 #: whose pages rebuild the cells byte for byte.

@@ -46,12 +46,14 @@ from ..restore_points import (
     PointTier,
     RestorePoint,
     RestorePointStore,
+    lone_free_points,
+    lone_ubatch,
     prefill_points,
 )
 from ..tiers.factory import build_point_tiers
 from ..tiers.l3.trace import TraceWriter
 from . import native, native_ext
-from .restore_probe import restores_exactly
+from .restore_probe import lone_suffixes_exact, restores_exactly
 from .timing import on_tokens
 from .working import WorkingSequence
 
@@ -113,10 +115,17 @@ def open_restore_points(
     if native.backend_name() != "CPU" or "BLAS" in native.registered_backends():
         return None
     # the load-time probe splits prompts into tiny batches, which a quantized SWA model's
-    # kernels do not reproduce; its points sit on micro-batch boundaries instead (SWA_ALIGN)
-    if window <= 0 and not restores_exactly(llm._model.model, llm.ctx):
-        log.info("skippy-llama: restores are not exact for this model here; no restore points")
-        return None
+    # kernels do not reproduce; its points sit on micro-batch boundaries instead (SWA_ALIGN),
+    # so its suffixes are split as the cold prefill splits them, lone micro-batches included
+    lone_exact = True
+    if window <= 0:
+        model = llm._model.model
+        if not restores_exactly(model, llm.ctx):
+            log.info("skippy-llama: restores are not exact for this model here; no restore points")
+            return None
+        # stock ggml-cpu decodes a one-token micro-batch with other kernels (vec_dot) than a
+        # batch (sgemm): only patch 0004 makes them agree, and the probe can pass by luck
+        lone_exact = native_ext.abi_version() is not None and lone_suffixes_exact(model, llm.ctx)
     return RestorePointPath(
         seq,
         RestorePointStore(root),
@@ -124,6 +133,7 @@ def open_restore_points(
         owner or PointOwner(),
         trace=trace(),
         window=window,
+        lone_exact=lone_exact,
     )
 
 
@@ -140,11 +150,9 @@ def open_for_model(
     swa_points = window > 0 and settings.l3.mode != "off" and seq.disabled_reason is None
     if seq.disabled_reason is None and not swa_points:
         return None
-    if native_ext.abi_version() is None:
-        # on the stock library a restore from L2 (lfm2, a one-token suffix after the point)
-        # gave logits off by ~1e-4 from a cold prefill that the load-time check passed: until
-        # that is understood, stock builds serve these models as before (a miss, never wrong)
-        log.info("skippy-llama: restore points need the patched library; served uncached")
+    if native_ext.abi_version() is None and swa_points:
+        # the sliding-window alignment (SWA_ALIGN) was measured on the patched library only
+        log.info("skippy-llama: sliding-window restore points need the patched library")
         return None
     model = identity.model
     return open_restore_points(
@@ -164,7 +172,17 @@ class RestorePointPath:
 
     ``window``: the model's sliding window (0: none). Its points are kept only where they
     restore exactly (:data:`SWA_ALIGN`), and the restore starts from an empty cache so the
-    window's cells land where they did at capture."""
+    window's cells land where they did at capture.
+
+    ``lone_exact``: whether a token decoded in a micro-batch of its own gets a batched
+    prefill's results here (:func:`~skippy_llama.runtime.restore_probe.lone_suffixes_exact`).
+    Where not (the stock library: ggml-cpu's ``vec_dot`` for one column, sgemm for more), a
+    plan never decodes a one-token micro-batch: a point is restored only where the rest of
+    the prompt, and the prefill's chunks, avoid one (:func:`lone_free_points`), and a prompt
+    whose cold prefill itself decodes one (``Llama.eval``'s last batch of a single token) is
+    served as plain ``Llama`` would, keeping no point. On the stock build an LFM2 point
+    followed by one token gave logits 8e-4 off a cold prefill; plain ``Llama`` decoding the
+    same token alone after the same 90 gave the same 8e-4 (``docs/library.md``)."""
 
     def __init__(
         self,
@@ -175,6 +193,7 @@ class RestorePointPath:
         every: int = POINT_EVERY,
         trace: TraceWriter | None = None,
         window: int = 0,
+        lone_exact: bool = True,
     ) -> None:
         self.seq = seq
         self.store = store
@@ -184,6 +203,10 @@ class RestorePointPath:
         #: ``l3.trace_file``'s writer: lookups and points, for ``kv-cache simulate``
         self.trace = trace
         self.window = window
+        self.lone_exact = lone_exact
+        #: ``Llama.eval``'s batch and llama.cpp's micro-batch: the splits a plan must respect
+        self.n_batch = int(seq.llm.n_batch)
+        self.n_ubatch = int(seq.llm.context_params.n_ubatch)
         #: where a sliding-window model's points are kept (:data:`SWA_ALIGN`)
         self.align = math.lcm(SWA_ALIGN, int(seq.llm.context_params.n_ubatch))
         if window > 0:
@@ -204,8 +227,15 @@ class RestorePointPath:
         prompt = np.asarray(tokens, dtype=np.int32)
         event = CacheEvent(prompt_tokens=len(prompt))
         started = time.perf_counter()
-        self._restore(prompt, event)
-        taken = self._prefill_points(prompt)
+        # a prompt whose cold prefill decodes a lone micro-batch cannot be matched by any
+        # other split where lone decodes differ: decoded as plain Llama does, nothing kept
+        exact = self.lone_exact or not lone_ubatch(len(prompt), self.n_batch, self.n_ubatch)
+        taken: list[RestorePoint] = []
+        if exact:
+            self._restore(prompt, event)
+            taken = self._prefill_points(prompt)
+        else:
+            event.fallbacks.append("restore points: the cold prefill decodes a lone micro-batch")
 
         def seen(i: int, token: int) -> None:
             seq.last_sampled = token
@@ -214,7 +244,7 @@ class RestorePointPath:
             event.ttft_ms = (time.perf_counter() - started) * 1e3
             event.prefill_ms = event.ttft_ms - event.restore_ms
             # the prompt is decoded and its first token sampled, not yet evaluated
-            if llm.n_tokens == len(prompt) and self.keeps(len(prompt)):
+            if exact and llm.n_tokens == len(prompt) and self.keeps(len(prompt)):
                 point = self._capture(prompt)
                 self.store.put(prompt, point.blob)
                 taken.append(point)
@@ -232,6 +262,14 @@ class RestorePointPath:
         """Whether a point after ``n`` tokens restores exactly (always, without a window)."""
         return self.window <= 0 or n % self.align == 0
 
+    def _plan(self, start: int, end: int) -> list[int] | None:
+        """Where a prefill of ``[start, end)`` stops to keep points (:func:`prefill_points`),
+        without a one-token micro-batch where lone decodes are inexact; None: impossible."""
+        points = prefill_points(start, end, self.every)
+        if self.lone_exact:
+            return points
+        return lone_free_points(start, end, points, self.n_batch, self.n_ubatch)
+
     def _prefill_points(self, prompt: np.ndarray[Any, np.dtype[np.int32]]) -> list[RestorePoint]:
         """Prefill ``prompt`` from where the restore left it in chunks ending at the restore
         points :func:`prefill_points` places, keeping a point at each; ``Llama.generate`` then
@@ -239,7 +277,7 @@ class RestorePointPath:
         prefill's results here."""
         llm = self.seq.llm
         taken: list[RestorePoint] = []
-        for end in prefill_points(llm.n_tokens, len(prompt), self.every):
+        for end in self._plan(llm.n_tokens, len(prompt)) or ():
             llama_cpp.Llama.eval(llm, prompt[llm.n_tokens : end].tolist())
             point = self._capture(prompt[:end].copy())
             self.store.put(point.tokens, point.blob)
@@ -275,7 +313,11 @@ class RestorePointPath:
         lengths = set(self.store.lengths())
         for tier in self.tiers:
             lengths.update(tier.point_lengths(root))
-        usable = (n for n in lengths if 0 < n < len(prompt) and self.keeps(n))
+        usable = (
+            n
+            for n in lengths
+            if 0 < n < len(prompt) and self.keeps(n) and self._plan(n, len(prompt)) is not None
+        )
         for n in sorted(usable, reverse=True):
             head = prompt[:n]
             point = self.store.get(head)

@@ -329,6 +329,10 @@ def _metadata(model: Any, key: str) -> str:
 
 #: The load-time check (:func:`restores_exactly`): prompt ends, suffix tokens, chunk tokens.
 CHECK_ENDS, CHECK_SUFFIX, CHECK_CHUNK = (1, 13), 8, 4
+#: Tokens the lone-decode part of the check decodes one at a time after a restore (stock
+#: kernels differ on some tokens only: on the stock build a synthetic LFM2's logits were 8e-4
+#: off for one lone token and equal for the next, so one token proves nothing).
+CHECK_LONE = 6
 
 
 def restores_exactly(model: Any, ctx: Any) -> bool:
@@ -345,6 +349,35 @@ def restores_exactly(model: Any, ctx: Any) -> bool:
         for p in CHECK_ENDS:
             point = _point(probe, tokens[: p + CHECK_SUFFIX], p, CHECK_CHUNK, device=False)
             if not (point.restore_exact and point.chunked_restore_exact and point.control_differs):
+                return False
+        return True
+    finally:
+        probe.clear()
+        probe.close()
+
+
+def lone_suffixes_exact(model: Any, ctx: Any) -> bool:
+    """Whether, in this context, tokens decoded one at a time after a restore (a prompt that
+    extends a restore point by one token) give a cold one-batch prefill's logits bit for bit:
+    restores at ``CHECK_ENDS[-1]`` and each of the next ``CHECK_LONE - 1`` positions, each
+    followed by one lone token. Clears the context's memory.
+
+    Stock ggml-cpu computes a product of one column with ``vec_dot`` instead of the sgemm
+    kernels of a batch (patch 0004 removes that), so there this fails for most models.
+    """
+    p0 = max(CHECK_ENDS)
+    n = p0 + CHECK_LONE
+    probe = _Probe(model, ctx, n, owned=False)
+    try:
+        tokens = probe_tokens(n, probe.n_vocab, seed=1)
+        probe.clear()
+        probe.decode(tokens, 0, p0)
+        cold = probe.logits(CHECK_LONE)
+        for i, p in enumerate(range(p0, n)):
+            probe.prefill(tokens[:p])
+            probe.restore(probe.state())
+            probe.decode(tokens[p : p + 1], p, p)
+            if not np.array_equal(probe.logits(1)[0], cold[i]):
                 return False
         return True
     finally:

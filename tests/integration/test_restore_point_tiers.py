@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_restore_points import _FAMILIES, _cold, _greedy, _skippy, points_or_skip
+from test_restore_points import _FAMILIES, PATCHED, _cold, _greedy, _skippy, points_or_skip
 
 from skippy_llama.config import Settings
 from skippy_llama.restore_points import is_composed
@@ -78,21 +78,22 @@ def test_l3_restore_points_survive_a_restart(
         assert _check(path, first, [*doc, 7, 8]) == ("l1", 90)
     finally:
         first.close()
-    # a new SkippyLlama: nothing in memory, the points only on disk
+    # a new SkippyLlama: nothing in memory, the points only on disk; suffixes of two tokens,
+    # which every build restores (test_a_one_token_suffix_... covers single tokens)
     again = _skippy(path, _tiers(tmp_path / "l3"))
     try:
         assert again.restore_points is not None
         # the deepest point the prompt extends (92 tokens), from L3, then L1 for the next
-        assert _check(path, again, [*doc, 7, 8, 9]) == ("l3", 92)
-        assert _check(path, again, [*doc, 7, 8, 9, 10]) == ("l1", 93)
-        assert _check(path, again, [*doc, 5]) == ("l3", 90)  # not promoted before
+        assert _check(path, again, [*doc, 7, 8, 9, 10]) == ("l3", 92)
+        assert _check(path, again, [*doc, 7, 8, 9, 10, 11, 12]) == ("l1", 94)
+        assert _check(path, again, [*doc, 5, 6]) == ("l3", 90)  # not promoted before
         status = again.prefix_cache.disk
         assert status is None  # the page tiers stay off for this model
         tier = again.restore_points.tiers[-1]
         assert isinstance(tier, DiskTier)
         listed = tier.status().restore_points
         assert len(listed) == 1 and listed[0].points == 5
-        assert [n for n, _ in listed[0].sizes] == [90, 91, 92, 93, 94]
+        assert sorted(n for n, _ in listed[0].sizes) == [90, 92, 92, 94, 96]
     finally:
         again.close()
 
@@ -109,11 +110,11 @@ def test_l2_serves_after_l1_drops_its_points(
         assert points is not None and [t.name for t in points.tiers] == ["l2", "l3"]
         _check(path, llm, doc)
         points.store.clear()  # L1 only: L2 still mirrors what L3 holds
-        assert _check(path, llm, [*doc, 3]) == ("l2", 90)
+        assert _check(path, llm, [*doc, 3, 4]) == ("l2", 90)
         points.store.clear()
         points.tiers[0].clear()  # type: ignore[attr-defined]
-        assert _check(path, llm, [*doc, 4]) == ("l3", 90)
-        assert _check(path, llm, [*doc, 4, 5]) == ("l1", 91)
+        assert _check(path, llm, [*doc, 4, 5]) == ("l3", 90)
+        assert _check(path, llm, [*doc, 4, 5, 6, 7]) == ("l1", 92)
         memory = llm.cache_status()["restore_points"]
         assert memory["l1"]["points"] == 3 and memory["l2"]["bytes"] > 0
     finally:
@@ -135,7 +136,7 @@ def test_a_damaged_l3_record_is_a_cold_miss(
         raw = bytearray(store.get(key) or b"")
         raw[len(raw) // 2] ^= 0x10
         store.set(key, bytes(raw))
-        assert _check(path, llm, [*doc, 1]) == ("cold", 0)
+        assert _check(path, llm, [*doc, 1, 2]) == ("cold", 0)
         assert disk._parts.counters.get("corrupt_points") == 1
     finally:
         llm.close()
@@ -217,3 +218,41 @@ def test_a_long_prompt_keeps_points_every_256_tokens(
         assert _check(path, again, doc[:300]) == ("l3", 256)
     finally:
         again.close()
+
+
+def test_a_one_token_suffix_is_decoded_as_the_cold_prefill_decodes_it(
+    synthetic_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Stock ggml-cpu decodes a micro-batch of one token with other kernels (``vec_dot``) than
+    a batch (sgemm): plain ``Llama`` decoding a 91st token alone after a 90-token batch gave
+    logits 8e-4 off the 91 tokens in one batch (synthetic LFM2). So where lone decodes are
+    inexact a restore point is used only where the rest of the prompt avoids a one-token
+    micro-batch, and a prompt whose cold prefill decodes one (its last ``n_batch`` batch a
+    single token) is served as plain ``Llama`` serves it, keeping no point. The patched build
+    (patch 0004) decodes lone tokens as batches do: one token after a point is restored."""
+    path = synthetic_models["lfm2"]
+    doc = _doc()
+    llm = _skippy(path, _tiers(tmp_path / "l3"), n_ctx=1024)
+    try:
+        points_or_skip(llm, "lfm2")
+        points = llm.restore_points
+        assert points is not None
+        lone = points.lone_exact
+        assert lone == PATCHED
+        assert _check(path, llm, doc) == ("cold", 0)
+        assert _check(path, llm, [*doc, 3]) == (("l1", 90) if lone else ("cold", 0))
+        # stock: the point at 91 would leave one token; the one at 90 leaves two
+        assert _check(path, llm, [*doc, 3, 4]) == ("l1", 91 if lone else 90)
+        # a 513-token prompt: Llama.eval's batches of 512 end with one token, cold too
+        assert points.n_batch == 512
+        points.store.clear()
+        long = [int(t) for t in np.random.default_rng(5).integers(3, 300, size=513)]
+        assert _check(path, llm, long) == ("cold", 0)
+        event = llm.last_cache_event
+        assert event is not None
+        if lone:
+            assert sorted(points.store.lengths()) == [256, 512, 513]
+        else:
+            assert points.store.lengths() == [] and event.fallbacks
+    finally:
+        llm.close()

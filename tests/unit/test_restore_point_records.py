@@ -186,6 +186,33 @@ def test_prefill_points_double_then_take_the_deepest() -> None:
     assert prefill_points(0, 9000, 0) == []
 
 
+def test_lone_micro_batches_follow_llama_evals_and_llama_cpps_splits() -> None:
+    from skippy_llama.restore_points import lone_ubatch
+
+    assert lone_ubatch(1, 512, 512) and not lone_ubatch(2, 512, 512)
+    assert not lone_ubatch(0, 512, 512) and not lone_ubatch(512, 512, 512)
+    assert lone_ubatch(513, 512, 512) and lone_ubatch(1025, 512, 512)
+    # Llama.eval's batches of 512, each cut into micro-batches of 64: 65 leaves one
+    assert lone_ubatch(65, 512, 64) and not lone_ubatch(66, 512, 64)
+    assert lone_ubatch(512 + 65, 512, 64) and not lone_ubatch(512 + 64, 512, 64)
+    assert lone_ubatch(2, 64, 1)  # every micro-batch a single token
+    assert lone_ubatch(513, 512, 1024)  # llama.cpp's n_ubatch is at most n_batch
+
+
+def test_lone_free_points_drop_stops_that_leave_a_single_token() -> None:
+    from skippy_llama.restore_points import lone_free_points
+
+    assert lone_free_points(0, 2020, [256, 512, 1024, 1792], 512, 512) == [256, 512, 1024, 1792]
+    assert lone_free_points(0, 514, [256, 513], 512, 512) == [256]  # 513 would leave 1
+    assert lone_free_points(255, 600, [256, 512], 512, 512) == [512]  # [255, 256) is one
+    # the last piece decides: a stop is given up so the rest is no single token
+    assert lone_free_points(0, 1026, [512, 1025], 512, 512) == [512]
+    assert lone_free_points(90, 91, [], 512, 512) is None  # a restore at 90 leaves one
+    # [0, 256) and [256, 513) avoid the single token that one Llama.eval of 513 decodes (the
+    # runtime then serves the prompt as cold does: no split matches it)
+    assert lone_free_points(0, 513, [256, 512], 512, 512) == [256]
+
+
 def _hybrid(n: int, content: Any, seed: int = 0) -> RestorePoint:
     """A point whose state is attention cells (``statefixtures``, v_trans like llama.cpp with
     flash attention off) followed by a 300-byte recurrent part."""
