@@ -45,10 +45,17 @@ Models: SmolLM2-135M (llama) and Gemma 3 270M (gemma3, sliding-window attention,
                                          (skippy_llama.testing.synthetic) and on Gemma 3 270M
                                          (sliding window): a restore point restored and the rest
                                          decoded gives the cold logits bit for bit, at which
-                                         positions, and the snapshot's bytes
+                                         positions, and the snapshot's bytes. Where a restore at
+                                         any prompt end is not exact (a GPU: batch splits change
+                                         the numbers) it certifies restores at multiples of the
+                                         micro-batch ("multiples of N tokens"), which is what the
+                                         runtime keeps off the CPU; the runtime turns restore
+                                         points on off the CPU only with such a row. On a CUDA
+                                         machine: python3 scripts/certify.py --restore-points
+                                         (add --roster FILE to write a copy to bring back)
 
-A run of the other lanes keeps the roster's ``cachegen`` and ``restore_points`` rows, and each
-of those options keeps the rest: each lane is re-run on its own.
+A plain run (no option) runs every lane above and then the ``restore_points`` lane, keeping the
+roster's ``cachegen`` rows; each of those options keeps the rest: each lane is re-run on its own.
 """
 
 from __future__ import annotations
@@ -570,7 +577,10 @@ def _gemma3_points(path: Path, backend: str) -> RestorePointRow:
         ).copy()
 
     def open_() -> llama_cpp.Llama:
-        return llama_cpp.Llama(str(path), n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
+        # every layer offloaded on a GPU build, as the runtime's users run it (no-op on the CPU)
+        return llama_cpp.Llama(
+            str(path), n_ctx=2048, n_gpu_layers=-1, n_threads=1, n_threads_batch=1, verbose=False
+        )
 
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(3, 200_000, size=1300)]
@@ -622,6 +632,23 @@ def _gemma3_points(path: Path, backend: str) -> RestorePointRow:
     )
 
 
+def _aligned_points(model: Path) -> tuple[bool, int]:
+    """A restore at multiples of the micro-batch, the rest decoded in the cold prefill's own
+    micro-batches, in a ``Llama`` as the runtime builds one (every layer offloaded on a GPU
+    build; ``n_batch`` = ``n_ubatch`` as llama-cpp-python sets them, or ``LLCPP_FORCE_UBATCH``
+    through tests/force_ngl): (exact, the step in tokens)."""
+    from skippy_llama.runtime.restore_probe import aligned_restores_exactly
+
+    llm = llama_cpp.Llama(
+        str(model), n_ctx=2048, n_gpu_layers=-1, n_threads=1, n_threads_batch=1, verbose=False
+    )
+    try:
+        step = int(llm.context_params.n_ubatch)
+        return aligned_restores_exactly(llm, step), step
+    finally:
+        llm.close()
+
+
 def certify_restore_points(path: Path, models: list[str] | None) -> int:
     """The ``restore_points`` lane: a row per synthetic recurrent and hybrid family and for
     Gemma 3 where it is installed; replaces those rows only."""
@@ -629,10 +656,20 @@ def certify_restore_points(path: Path, models: list[str] | None) -> int:
     from skippy_llama.runtime.restore_probe import probe_restore_points
     from skippy_llama.testing.synthetic import FAMILIES, write_model
 
+    loaded = library_recipe()
     try:
         roster = load_roster(path)
     except RosterError as exc:
         print(f"certify --restore-points: {exc}", file=sys.stderr)
+        return 1
+    if roster is not None and loaded != roster.recipe:
+        # rows count only under the recipe the runtime's library was built from
+        print(
+            f"certify --restore-points: the loaded library is "
+            f"{loaded.describe() if loaded else 'a stock build'}, the roster certifies "
+            f"{roster.recipe.describe()}: build it with scripts/build_patched_llama.sh first",
+            file=sys.stderr,
+        )
         return 1
     if roster is None:
         print(
@@ -648,6 +685,20 @@ def certify_restore_points(path: Path, models: list[str] | None) -> int:
             report = probe_restore_points(model, prompt_ends=(17, 70), chunk=16)
             exact = report.exact and all(p.control_differs for p in report.points)
             worst = max(p.max_abs_diff for p in report.points)
+            positions, reason = "any prompt end", ""
+            if not exact:
+                # a GPU's kernels change with the batch split: points on micro-batch boundaries,
+                # where the rest of a prompt runs in the cold prefill's own micro-batches
+                aligned, step = _aligned_points(model)
+                if aligned:
+                    positions = f"multiples of {step} tokens"
+                    reason = f"at any prompt end off by up to {worst:.3g}: micro-batch boundaries"
+                    exact = True
+                else:
+                    reason = (
+                        f"restore + suffix off by up to {worst:.3g}, and at multiples of {step} "
+                        "tokens too"
+                    )
             rows.append(
                 RestorePointRow(
                     architecture=report.architecture,
@@ -657,12 +708,12 @@ def certify_restore_points(path: Path, models: list[str] | None) -> int:
                     model=f"synthetic {family} (skippy_llama.testing.synthetic)",
                     model_digest=file_digest(model),
                     exact=exact,
-                    positions="any prompt end",
+                    positions=positions,
                     snapshot_bytes=report.points[-1].snapshot_bytes,
-                    reason="" if exact else f"restore + suffix off by up to {worst:.3g}",
+                    reason=reason,
                 )
             )
-            print(f"certify: {family} restore points: {'exact' if exact else 'NOT exact'}")
+            print(f"certify: {family} restore points: {positions if exact else 'NOT exact'}")
     if not models or "gemma3" in models:
         try:
             rows.append(_gemma3_points(gemma3_model_path(), backend))
@@ -758,7 +809,10 @@ def main(argv: list[str] | None = None) -> int:
         return certify_restore_points(args.roster, args.models)
     if args.check:
         return check(args.roster, args.patches)
-    return certify(args.roster, args.patches, args.models)
+    rc = certify(args.roster, args.patches, args.models)
+    # the restore points of this backend too: off the CPU the runtime takes them only with
+    # this lane's rows (a plain run on a CUDA machine certifies them there)
+    return rc or certify_restore_points(args.roster, args.models)
 
 
 if __name__ == "__main__":

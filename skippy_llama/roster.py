@@ -222,6 +222,68 @@ class RestorePointRow:
             doc["reason"] = self.reason
         return doc
 
+    @property
+    def alignment(self) -> int | None:
+        """The positions the row certifies as a step in tokens: 1 for "any prompt end", N for
+        "multiples of N tokens"; None for anything else (read as not certified)."""
+        if self.positions == "any prompt end":
+            return 1
+        words = self.positions.split()
+        if (
+            len(words) == 4
+            and words[0] == "multiples"
+            and words[1] == "of"
+            and words[3] == "tokens"
+        ):
+            try:
+                step = int(words[2])
+            except ValueError:
+                return None
+            return step if step > 0 else None
+        return None
+
+
+@dataclass(frozen=True)
+class PointVerdict:
+    """Whether the roster certifies restore points for one architecture on one backend with
+    flash attention on or off: ``alignment`` (tokens: points only on multiples of it; 1: any
+    prompt end) when it does, None when not, and ``reason`` either way."""
+
+    alignment: int | None
+    reason: str
+
+
+def decide_points(
+    library: Recipe | None,
+    roster: Roster | None,
+    architecture: str,
+    backend: str,
+    flash_attn: bool,
+) -> PointVerdict:
+    """The roster's ``restore_points`` verdict for a model of ``architecture`` on ``backend``
+    (the runtime asks it where batch splits change results: GPU builds, BLAS, flash attention).
+
+    A row counts only under the recipe the loaded library was built from, and only when exact:
+    ``scripts/certify.py --restore-points`` run on that backend writes it."""
+    where = f"{architecture} on {backend} (flash attention {'on' if flash_attn else 'off'})"
+    if library is None:
+        return PointVerdict(None, f"{where}: the stock library has no certified restore points")
+    if roster is None:
+        return PointVerdict(None, f"{where}: there is no roster")
+    if roster.recipe != library:
+        return PointVerdict(None, f"{where}: the roster certifies another recipe")
+    row = roster.point_row(architecture, backend, flash_attn)
+    if row is None:
+        return PointVerdict(
+            None, f"{where}: no restore_points row (run scripts/certify.py --restore-points there)"
+        )
+    if not row.exact:
+        return PointVerdict(None, f"{where}: not exact ({row.reason})")
+    step = row.alignment
+    if step is None:
+        return PointVerdict(None, f"{where}: positions {row.positions!r} are not understood")
+    return PointVerdict(step, f"{where}: certified at {row.positions}")
+
 
 @dataclass(frozen=True)
 class Roster:
@@ -235,6 +297,19 @@ class Roster:
 
     def row(self, key: RowKey) -> RosterRow | None:
         return next((row for row in self.rows if row.key == key), None)
+
+    def point_row(
+        self, architecture: str, backend: str, flash_attn: bool
+    ) -> RestorePointRow | None:
+        """The ``restore_points`` row of an architecture family on a backend (None: none)."""
+        return next(
+            (
+                r
+                for r in self.restore_points
+                if (r.architecture, r.backend, r.flash_attn) == (architecture, backend, flash_attn)
+            ),
+            None,
+        )
 
     def cachegen_row(
         self, model_digest: str, backend: str, layout_digest: str

@@ -12,10 +12,10 @@ Setter = Callable[[Any, str, Any], None]
 
 
 def gpu_like(set_attr: Setter = setattr) -> None:
-    """A GPU build's reuse granule (``n_ubatch``), record deferral and chunked restores, on
-    any build."""
+    """A GPU build's reuse granule (``n_ubatch``), record deferral, chunked restores and
+    roster-certified restore points on micro-batch boundaries, on any build."""
     from skippy_llama.runtime import llama as runtime
-    from skippy_llama.runtime import probes
+    from skippy_llama.runtime import probes, restore_points
     from skippy_llama.runtime.working import WorkingSequence
 
     init = runtime.SkippyLlama.__init__
@@ -29,4 +29,7 @@ def gpu_like(set_attr: Setter = setattr) -> None:
         self.pipeline_restores = True
 
     set_attr(probes, "canonical_granule", canonical_granule)
+    # restore points as on a GPU: only where the roster certifies them, on micro-batch
+    # boundaries, after the aligned load-time check
+    set_attr(restore_points, "splits_change_results", lambda flash: True)
     set_attr(runtime.SkippyLlama, "__init__", gpu_like_init)

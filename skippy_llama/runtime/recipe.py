@@ -17,10 +17,12 @@ from ..roster import (
     LLAMA_CPP_COMMIT,
     LLAMA_CPP_PYTHON_VERSION,
     ROSTER_PATH,
+    PointVerdict,
     Recipe,
     RowKey,
     Verdict,
     decide,
+    decide_points,
     load_roster,
 )
 from ..state.layout import KVLayout, type_name
@@ -93,6 +95,20 @@ def native_verdict(
         log.warning("skippy-llama: %s; the patched calls are treated as uncertified", exc)
         roster = None
     return decide(library, roster, key, allow_uncertified=allow_uncertified)
+
+
+def points_verdict(
+    architecture: str, backend: str, flash_attn: bool, *, roster_path: Path = ROSTER_PATH
+) -> PointVerdict:
+    """The roster's ``restore_points`` verdict for this library (:func:`decide_points`).
+
+    Fail-open: an unreadable roster certifies nothing, with the reason, never an error."""
+    try:
+        roster = load_roster(roster_path)
+    except RosterError as exc:
+        log.warning("skippy-llama: %s; restore points are treated as uncertified", exc)
+        roster = None
+    return decide_points(library_recipe(), roster, architecture, backend, flash_attn)
 
 
 def native_status(

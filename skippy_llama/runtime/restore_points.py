@@ -52,8 +52,8 @@ from ..restore_points import (
 )
 from ..tiers.factory import build_point_tiers
 from ..tiers.l3.trace import TraceWriter
-from . import native, native_ext
-from .restore_probe import lone_suffixes_exact, restores_exactly
+from . import native, native_ext, recipe
+from .restore_probe import aligned_restores_exactly, lone_suffixes_exact, restores_exactly
 from .timing import on_tokens
 from .working import WorkingSequence
 
@@ -98,9 +98,15 @@ def open_restore_points(
     sliding-window model by the paged cache's L1).
 
     Asks for what the load-time check relies on: L1 on (``l1_enabled``), no embeddings or
-    per-token logits rows (restored tokens come without them), the CPU backend without BLAS and
-    flash attention off (where batch splits do not change results), and
-    :func:`restores_exactly` in this context. The points are keyed under the cache identity's
+    per-token logits rows (restored tokens come without them), and on the CPU backend without
+    BLAS and flash attention off (where batch splits do not change results)
+    :func:`restores_exactly` in this context. Elsewhere (:func:`splits_change_results`: a GPU,
+    BLAS, flash attention) a batch split changes the numbers, so points sit on micro-batch
+    boundaries, where the rest of a prompt is decoded in the cold prefill's own micro-batches,
+    and only where the roster certifies them (a ``restore_points`` row of this architecture,
+    backend and flash-attention setting, written by ``scripts/certify.py --restore-points`` on
+    that backend) and :func:`aligned_restores_exactly` passes in this context. The points are
+    keyed under the cache identity's
     ``root``; ``tiers`` opens the tiers that keep them beyond this process and ``trace`` the
     trace writer (both called only when restore points are on); the tiers list them under
     ``owner``.
@@ -110,15 +116,18 @@ def open_restore_points(
         return None
     p = llm.context_params
     flash = p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    if p.embeddings or llm._logits_all or flash:
-        return None
-    if native.backend_name() != "CPU" or "BLAS" in native.registered_backends():
+    if p.embeddings or llm._logits_all:
         return None
     # the load-time probe splits prompts into tiny batches, which a quantized SWA model's
     # kernels do not reproduce; its points sit on micro-batch boundaries instead (SWA_ALIGN),
     # so its suffixes are split as the cold prefill splits them, lone micro-batches included
     lone_exact = True
-    if window <= 0:
+    step = 0
+    if splits_change_results(flash):
+        step = _certified_step(llm, flash, window)
+        if step <= 0:
+            return None
+    elif window <= 0:
         model = llm._model.model
         if not restores_exactly(model, llm.ctx):
             log.info("skippy-llama: restores are not exact for this model here; no restore points")
@@ -134,7 +143,37 @@ def open_restore_points(
         trace=trace(),
         window=window,
         lone_exact=lone_exact,
+        step=step,
     )
+
+
+def splits_change_results(flash: bool) -> bool:
+    """Whether a batch split may change this backend's numbers: a GPU or BLAS backend, or
+    flash attention (``benchmarks/results/restore-points-cpu.json``: a split prompt differed
+    from one batch with flash attention on). There restore points need the roster's row and
+    sit on micro-batch boundaries (tests' GPU-like lane turns this on for the CPU)."""
+    return flash or native.backend_name() != "CPU" or "BLAS" in native.registered_backends()
+
+
+def _certified_step(llm: llama_cpp.Llama, flash: bool, window: int) -> int:
+    """Where batch splits change results: the step (tokens) restore points keep, from the
+    roster's row and this context's micro-batch, once :func:`aligned_restores_exactly` passed
+    here; 0 (no points, logged) when the roster does not certify them or the check fails."""
+    arch = str(llm.metadata.get("general.architecture", "unknown"))
+    verdict = recipe.points_verdict(arch, native.backend_name(), flash)
+    if verdict.alignment is None:
+        log.info("skippy-llama: no restore points: %s", verdict.reason)
+        return 0
+    n_batch, n_ubatch = int(llm.n_batch), int(llm.context_params.n_ubatch)
+    if n_batch % n_ubatch:
+        # Llama.eval's batches from a point would then cut micro-batches the cold prefill's do not
+        log.info("skippy-llama: no restore points: n_batch is not a multiple of n_ubatch")
+        return 0
+    step = math.lcm(verdict.alignment, n_ubatch, SWA_ALIGN if window > 0 else 1)
+    if not aligned_restores_exactly(llm, step):
+        log.info("skippy-llama: no restore points: a restore at %d tokens is not exact here", step)
+        return 0
+    return step
 
 
 def open_for_model(
@@ -194,6 +233,7 @@ class RestorePointPath:
         trace: TraceWriter | None = None,
         window: int = 0,
         lone_exact: bool = True,
+        step: int = 0,
     ) -> None:
         self.seq = seq
         self.store = store
@@ -207,9 +247,12 @@ class RestorePointPath:
         #: ``Llama.eval``'s batch and llama.cpp's micro-batch: the splits a plan must respect
         self.n_batch = int(seq.llm.n_batch)
         self.n_ubatch = int(seq.llm.context_params.n_ubatch)
-        #: where a sliding-window model's points are kept (:data:`SWA_ALIGN`)
-        self.align = math.lcm(SWA_ALIGN, int(seq.llm.context_params.n_ubatch))
-        if window > 0:
+        #: points only on multiples of ``step`` tokens (0: any prompt end), where batch splits
+        #: change results (:func:`splits_change_results`)
+        self.step = step
+        #: where a sliding-window model's points are kept (:data:`SWA_ALIGN`), or ``step``
+        self.align = step or math.lcm(SWA_ALIGN, int(seq.llm.context_params.n_ubatch))
+        if window > 0 or step > 0:
             self.every = math.lcm(every, self.align)
 
     def generate(
@@ -259,8 +302,8 @@ class RestorePointPath:
             finished(event)
 
     def keeps(self, n: int) -> bool:
-        """Whether a point after ``n`` tokens restores exactly (always, without a window)."""
-        return self.window <= 0 or n % self.align == 0
+        """Whether a point after ``n`` tokens restores exactly (always, without a window or step)."""
+        return (self.window <= 0 and self.step <= 0) or n % self.align == 0
 
     def _plan(self, start: int, end: int) -> list[int] | None:
         """Where a prefill of ``[start, end)`` stops to keep points (:func:`prefill_points`),
@@ -344,9 +387,10 @@ class RestorePointPath:
             return
         tier, point = found
         llm = self.seq.llm
-        if self.window > 0:
-            # the window's cells must land in the cells they held at capture (SWA_ALIGN):
-            # the restore fills the cache from its first free cell
+        if self.window > 0 or self.step > 0:
+            # the window's cells must land in the cells they held at capture (SWA_ALIGN), and
+            # where splits matter every cell where the cold prefill put it: the restore fills
+            # the cache from its first free cell
             llama_cpp.llama_memory_clear(native.memory(llm.ctx), True)
         if not native.set_seq_state(llm.ctx, bytearray(point.blob), _WORKING_SEQ):
             native.seq_rm(llm.ctx, _WORKING_SEQ)

@@ -383,3 +383,51 @@ def lone_suffixes_exact(model: Any, ctx: Any) -> bool:
     finally:
         probe.clear()
         probe.close()
+
+
+def aligned_restores_exactly(llm: llama_cpp.Llama, align: int, suffix: int = CHECK_SUFFIX) -> bool:
+    """Whether, in ``llm``'s own context and batching (``Llama.eval``: batches of ``n_batch``,
+    micro-batches of ``n_ubatch``), a whole-sequence restore at ``align`` tokens (and at twice
+    that where the context holds it) followed by the rest of the prompt gives the last logits
+    of a cold ``Llama.eval`` of the whole prompt bit for bit. Clears the context's memory.
+
+    The check where batch splits change results (a GPU, flash attention): with points on
+    multiples of ``n_ubatch`` the rest of a prompt is decoded in the very micro-batches the
+    cold prefill used, so the split cannot differ; what is left to prove is the restore.
+    """
+    n_ctx = llm.n_ctx()
+    ends = [p for p in (align, 2 * align) if p + suffix <= n_ctx]
+    if not ends:
+        return False
+    tokens = probe_tokens(max(ends) + suffix, llm.n_vocab())
+    memory = native.memory(llm.ctx)
+
+    def clear() -> None:
+        llama_cpp.llama_memory_clear(memory, True)
+        llm.n_tokens = 0
+
+    def last() -> npt.NDArray[np.float32]:
+        return np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)
+        ).copy()
+
+    try:
+        for p in ends:
+            prompt = tokens[: p + suffix]
+            clear()
+            llama_cpp.Llama.eval(llm, prompt)
+            cold = last()
+            clear()
+            llama_cpp.Llama.eval(llm, prompt[:p])
+            blob = bytearray(native.get_seq_state(llm.ctx, _SEQ))
+            clear()
+            if not native.set_seq_state(llm.ctx, blob, _SEQ):
+                return False
+            llm.input_ids[:p] = prompt[:p]
+            llm.n_tokens = p
+            llama_cpp.Llama.eval(llm, prompt[p:])
+            if not np.array_equal(last(), cold):
+                return False
+        return True
+    finally:
+        clear()

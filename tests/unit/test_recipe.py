@@ -19,6 +19,7 @@ from skippy_llama.roster import (
     RosterRow,
     RowKey,
     decide,
+    decide_points,
     expected_recipe,
     load_roster,
     parse_roster,
@@ -183,6 +184,45 @@ def test_restore_point_rows_round_trip_and_are_checked() -> None:
     assert '"restore_points"' not in ROSTER.to_json()  # rosters without them keep the old form
     with pytest.raises(RosterError, match="needs its reason"):
         parse_roster(text.replace('"reason": "off by 0.5"', '"reason": ""'))
+
+
+def test_restore_points_off_the_cpu_need_an_exact_row_of_this_recipe() -> None:
+    row = RestorePointRow(
+        "lfm2", "hybrid", "CUDA", False, "m", "d", True, "multiples of 64 tokens", 9
+    )
+    roster = Roster(RECIPE, ROSTER.rows, (), (row,))
+    assert decide_points(RECIPE, roster, "lfm2", "CUDA", False).alignment == 64
+    any_end = replace(row, positions="any prompt end")
+    assert (
+        decide_points(
+            RECIPE, replace(roster, restore_points=(any_end,)), "lfm2", "CUDA", False
+        ).alignment
+        == 1
+    )
+    refused = [
+        decide_points(None, roster, "lfm2", "CUDA", False),  # the stock library
+        decide_points(RECIPE, None, "lfm2", "CUDA", False),  # no roster
+        decide_points(replace(RECIPE, queue_sha256="cd" * 32), roster, "lfm2", "CUDA", False),
+        decide_points(RECIPE, roster, "lfm2", "CUDA", True),  # flash attention: another row
+        decide_points(RECIPE, roster, "qwen35", "CUDA", False),
+        decide_points(RECIPE, roster, "lfm2", "Vulkan", False),
+        decide_points(
+            RECIPE,
+            replace(roster, restore_points=(replace(row, exact=False, reason="0.09 off"),)),
+            "lfm2",
+            "CUDA",
+            False,
+        ),
+        decide_points(
+            RECIPE,
+            replace(roster, restore_points=(replace(row, positions="every other Tuesday"),)),
+            "lfm2",
+            "CUDA",
+            False,
+        ),
+    ]
+    assert all(v.alignment is None and v.reason for v in refused)
+    assert "certify.py --restore-points" in refused[4].reason
 
 
 def test_the_checked_in_roster_has_a_restore_point_row_per_family() -> None:
