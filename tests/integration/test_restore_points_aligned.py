@@ -21,7 +21,7 @@ from test_restore_points import _cold, _greedy, _skippy
 
 from skippy_llama import SkippyLlama
 from skippy_llama.roster import ROSTER_PATH, PointVerdict
-from skippy_llama.runtime import recipe
+from skippy_llama.runtime import native, recipe
 from skippy_llama.runtime import restore_points as runtime_points
 
 pytestmark = pytest.mark.model
@@ -36,7 +36,7 @@ def _on_or_skip(llm: SkippyLlama, family: str) -> Any:
     points = llm.restore_points
     if points is None:
         arch = str(llm.metadata.get("general.architecture"))
-        verdict = recipe.points_verdict(arch, runtime_points.native.backend_name(), False)
+        verdict = recipe.points_verdict(arch, native.backend_name(), False)
         assert verdict.alignment is None, "certified, yet the aligned load-time check failed"
         pytest.skip(f"{family}: {verdict.reason}")
     return points
