@@ -129,12 +129,12 @@ def open_restore_points(
             return None
     elif window <= 0:
         model = llm._model.model
-        if not restores_exactly(model, llm.ctx):
-            log.info("skippy-llama: restores are not exact for this model here; no restore points")
-            return None
         # stock ggml-cpu decodes a one-token micro-batch with other kernels (vec_dot) than a
         # batch (sgemm): only patch 0004 makes them agree, and the probe can pass by luck
         lone_exact = native_ext.abi_version() is not None and lone_suffixes_exact(model, llm.ctx)
+        if not restores_exactly(model, llm.ctx, lone_free=not lone_exact):
+            log.info("skippy-llama: restores are not exact for this model here; no restore points")
+            return None
     return RestorePointPath(
         seq,
         RestorePointStore(root),
