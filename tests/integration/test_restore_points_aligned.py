@@ -51,7 +51,19 @@ def _doc(n: int) -> list[int]:
 def test_points_sit_on_micro_batch_boundaries_and_answer_as_cold(
     family: str, synthetic_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    path = synthetic_models[family]
+    _aligned_points_answer_as_cold(synthetic_models[family], family, tmp_path)
+
+
+@pytest.mark.slow
+def test_gemma3_points_sit_on_micro_batch_boundaries_and_answer_as_cold(
+    gemma3_path: Path, tmp_path: Path
+) -> None:
+    """The sliding window too: its points on multiples of the roster's step, ``SWA_ALIGN``
+    and ``n_ubatch`` (512 at the default micro-batch and at the GPU-like lane's 64)."""
+    _aligned_points_answer_as_cold(gemma3_path, "gemma3", tmp_path)
+
+
+def _aligned_points_answer_as_cold(path: Path, family: str, tmp_path: Path) -> None:
     llm = _skippy(path, _tiers(tmp_path / "l3"), n_ctx=2048)
     try:
         points = _on_or_skip(llm, family)
