@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 from .plan import FetchedPage, PageRef
 from .tiers.arena import ArenaSlot, HostArena
-from .tiers.base import PageTier, Tier
+from .tiers.base import DigestedPageTier, PageTier, Payload, Tier
 from .tiers.ram import RamTier
 
 
@@ -23,6 +23,10 @@ class TierPages:
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = tuple(tiers)
         self._by_name = {t.name: t for t in self.tiers}
+        # asked once here: a runtime protocol check walks every member of the protocol
+        self._digested: dict[str, DigestedPageTier] = {
+            t.name: t for t in self.tiers if isinstance(t, DigestedPageTier)
+        }
 
     def fetch(self, pages: Sequence[PageRef]) -> list[FetchedPage]:
         """The longest prefix of ``pages`` that can be read and verified, in order (a
@@ -31,8 +35,17 @@ class TierPages:
         for name, group in itertools.groupby(pages, key=lambda page: page.tier):
             run = list(group)
             tier = self._by_name.get(name)
-            got = tier.fetch([p.key for p in run]) if isinstance(tier, PageTier) else []
-            out += [FetchedPage(name, p.key, b) for p, b in zip(run, got, strict=False)]
+            keys = [p.key for p in run]
+            got: list[tuple[Payload, bytes | None]]
+            digested = self._digested.get(name)
+            if digested is not None:
+                # each page with the digest its read verified, for promotion (see FetchedPage)
+                got = digested.fetch_digested(keys, queued=True)
+            elif isinstance(tier, PageTier):
+                got = [(payload, None) for payload in tier.fetch(keys)]
+            else:
+                got = []
+            out += [FetchedPage(name, p.key, b, d) for p, (b, d) in zip(run, got, strict=False)]
             if len(got) < len(run):
                 break
         return out
@@ -45,7 +58,7 @@ class TierPages:
             depth = order.index(page.tier) if page.tier in order else 0
             for tier in self.tiers[:depth]:
                 if isinstance(tier, PageTier):
-                    tier.promote(page.key, page.payload, prefix_tokens)
+                    tier.promote(page.key, page.payload, prefix_tokens, page.digest)
 
     def reads_storage(self, pages: Sequence[PageRef]) -> bool:
         """Whether fetching ``pages`` reads storage or the network (some page's tier is not

@@ -391,11 +391,18 @@ class Planner:
 
 @dataclass(frozen=True)
 class FetchedPage:
-    """A page a plan fetched: its key, bytes and the tier that served it."""
+    """A page a plan fetched: its key, bytes and the tier that served it.
+
+    ``digest`` is the one the serving tier's read verified for these bytes (L3's: a
+    :class:`~skippy_llama.tiers.base.DigestedPageTier`), None where the tier keeps none or the
+    page was not stored yet (a record waiting for L3's writer). Promotion keeps a copy under it:
+    a digest asked after the read could answer for bytes written since.
+    """
 
     tier: str
     key: bytes
     payload: bytes | memoryview
+    digest: bytes | None = None
 
 
 class PageSource(Protocol):

@@ -85,7 +85,9 @@ class DictPages:
             record.drop()
         return True
 
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+    def promote(
+        self, key: bytes, payload: bytes | memoryview, prefix_tokens: int, digest: bytes | None
+    ) -> None:
         self.promoted.append((key, prefix_tokens))
 
     def note_miss(self) -> None:

@@ -154,9 +154,13 @@ class PageTier(Tier, Protocol):
         """
         ...
 
-    def promote(self, key: bytes, payload: Payload, prefix_tokens: int) -> None:
+    def promote(
+        self, key: bytes, payload: Payload, prefix_tokens: int, digest: bytes | None
+    ) -> None:
         """A deeper tier served ``payload`` for a prefix of ``prefix_tokens``: keep a copy if
-        the tier's rules say so (a no-op for tiers that are not mirrors)."""
+        the tier's rules say so (a no-op for tiers that are not mirrors). ``digest``: the one
+        the read verified for these bytes, where the serving tier keeps digests
+        (:class:`DigestedPageTier`; None where it does not, or for a page not stored yet)."""
         ...
 
     def note_miss(self) -> None:
@@ -194,13 +198,16 @@ class PrefetchTier(PageTier, Protocol):
 @runtime_checkable
 class DigestedPageTier(PageTier, Protocol):
     """A page tier whose reads say which bytes they returned (L3: the digest each page's read
-    verified), so a mirror of it keeps a prefetched copy under the digest of the bytes it
-    copied. A digest asked after the read could answer for bytes written since, and the mirror
-    would then serve the old bytes as the new ones."""
+    verified), so a mirror of it keeps a copy (prefetched or promoted after a restore) under
+    the digest of the bytes it copied. A digest asked after the read could answer for bytes
+    written since, and the mirror would then serve the old bytes as the new ones."""
 
-    def fetch_digested(self, keys: Sequence[bytes]) -> list[tuple[Payload, bytes]]:
+    def fetch_digested(
+        self, keys: Sequence[bytes], *, queued: bool = False
+    ) -> list[tuple[Payload, bytes | None]]:
         """Written pages of the longest prefix of ``keys`` held, each with its read's digest;
-        never raises."""
+        with ``queued``, what :meth:`fetch` serves (pages still waiting to be written too,
+        those without a digest: None). Never raises."""
         ...
 
 

@@ -1,6 +1,7 @@
 """L2: a bounded host-RAM mirror of L3, holding only pages L3 holds with the same digest.
 
-L2 never holds anything L3 does not: every copy carries the digest L3 had when it was offered, and
+L2 never holds anything L3 does not: every copy carries the digest L3's read verified for the
+bytes copied (offered only while L3 still holds those bytes), and
 :meth:`RamTier.get` takes L3's current digest and drops the copy when they differ (or when L3 no
 longer has the page). :meth:`RamTier.invalidate` is wired to the disk tier's removal listener, so
 an eviction or quarantine in this process drops the copy at once; removals by other processes are
@@ -388,11 +389,22 @@ class RamTier:
         record.drop()  # never offered (takes_records is False); dropped if it were
         return False
 
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
-        """Keep a copy of a page L3 served, by the promotion rules (see :meth:`fill`)."""
-        digest = self.source.digest(key) if self.source is not None else None
-        if digest is not None:
-            self.fill(key, payload, digest, prefix_tokens)
+    def promote(
+        self,
+        key: bytes,
+        payload: bytes | memoryview,
+        prefix_tokens: int,
+        digest: bytes | None = None,
+    ) -> None:
+        """Keep a copy of a page L3 served, by the promotion rules (see :meth:`fill`), under
+        ``digest``, the one L3's read verified for these bytes. Not kept unless they are L3's
+        current bytes: bytes with no digest from L3 (read from another tier, or from a record
+        still waiting for L3's writer), or bytes L3 has rewritten or dropped since the read.
+        A digest asked now, not the read's, would tag the old bytes with a rewrite's digest,
+        and :meth:`get` would then serve them as the new page."""
+        if digest is None or self.source is None or self.source.digest(key) != digest:
+            return
+        self.fill(key, payload, digest, prefix_tokens)
 
     def note_miss(self) -> None:
         """L2's misses are counted per page by :meth:`get`."""

@@ -286,3 +286,79 @@ def test_l2_restores_are_weighed_at_their_own_rate(tmp_path: Path) -> None:
         assert cache.counters.restores_skipped == 1
     finally:
         disk.close()
+
+
+def test_a_page_l3_rewrites_after_a_restore_read_it_is_never_promoted_into_l2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promotion after a restore keeps L2's copy under the digest the restore's read verified
+    (it travels with the fetched page). Asked after the read, L3 would give the digest of bytes
+    written since, and L2 would serve the old bytes as those (it did before the fix)."""
+    from skippy_llama.identity import page_keys
+    from skippy_llama.tiers.ram import RamTier
+
+    settings = L3Settings(
+        mode="fixed", budget="1GiB", directory=tmp_path / "l3", minimum_free="1GiB"
+    )
+    disk = DiskTier(settings, disk_free=lambda _p: 1 << 40, close_at_exit=False)
+    ram = RamTier(64 << 20, source=disk, large_prefix_tokens=1)  # a first fill is promoted
+    disk.add_removal_listener(ram.invalidate)
+    cache = PrefixCache(identity=IDENTITY, page_tokens=128, tiers=[ram, disk])
+    try:
+        tokens = prompt(0, 600, seed=1)
+        record(cache, tokens)
+        keys = page_keys(cache.root, tokens[:512], 128)
+        real_digest = disk.digest
+        now: dict[bytes, bytes] = {}
+
+        def current(key: bytes) -> bytes | None:
+            return now[key] if key in now else real_digest(key)
+
+        monkeypatch.setattr(disk, "digest", current)
+        request = Prompt(tokens=tokens, limit=598)
+        plan = cache.plan(request)
+        assert [page.tier for page in plan.pages] == ["l3"] * 5
+        fetched = cache.pages.fetch(plan.pages)  # the restore's read
+        now[keys[1]] = b"\xee" * 16  # another process records page 1 anew after the read
+        cache.commit(plan, RestoreOutcome(plan, restored=True, fetched=tuple(fetched)), request)
+        assert ram.holds(keys[0]) and not ram.holds(keys[1])
+        assert ram.fetch(keys[1:2]) == []  # never the old bytes under the new digest
+        assert ram.fetch(keys[:1]) == [bytes(fetched[0].payload)]
+
+        # a page rewritten after L2 took it: the copy keeps its read's digest, and the lookup
+        # that finds L3's new one drops it (a miss), never serves it
+        now[keys[0]] = b"\xdd" * 16
+        mismatches = ram.status().digest_mismatches
+        assert ram.fetch(keys[:1]) == []
+        assert ram.status().digest_mismatches == mismatches + 1
+    finally:
+        disk.close()
+
+
+def test_a_page_read_from_a_record_waiting_for_the_writer_is_not_promoted(
+    tmp_path: Path,
+) -> None:
+    """A page L3 serves from a record its writer has not stored yet has no digest (hashing it
+    would cost the request path a pass over its bytes): L2 does not take it."""
+    from skippy_llama.plan import FetchedPage
+    from skippy_llama.tiers.ram import RamTier
+
+    settings = L3Settings(
+        mode="fixed", budget="1GiB", directory=tmp_path / "l3", minimum_free="1GiB"
+    )
+    disk = DiskTier(settings, disk_free=lambda _p: 1 << 40, close_at_exit=False)
+    ram = RamTier(64 << 20, source=disk, large_prefix_tokens=1)
+    cache = PrefixCache(identity=IDENTITY, page_tokens=128, tiers=[ram, disk])
+    try:
+        tokens = prompt(0, 300, seed=1)
+        record(cache, tokens)
+        plan = cache.plan(Prompt(tokens=tokens, limit=298))
+        fetched = cache.pages.fetch(plan.pages)
+        assert [page.digest for page in fetched] == [disk.digest(p.key) for p in plan.pages]
+        undigested = [FetchedPage(p.tier, p.key, p.payload) for p in fetched]
+        cache.pages.promote(undigested, 4096)
+        assert len(ram) == 0
+        cache.pages.promote(fetched, 4096)
+        assert len(ram) == len(fetched)
+    finally:
+        disk.close()

@@ -353,8 +353,10 @@ def test_a_page_l3_rewrites_after_a_prefetch_read_it_is_never_served_from_l2(
     def rewritten(key: bytes) -> bytes | None:
         return now[key] if key in now else real_digest(key)
 
-    def read_then_rewrite(ks: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
-        got = real_fetch(ks)
+    def read_then_rewrite(
+        ks: Sequence[bytes], *, queued: bool = False
+    ) -> list[tuple[bytes | memoryview, bytes | None]]:
+        got = real_fetch(ks, queued=queued)
         now[keys[1]] = b"\xee" * 16  # another process records page 1 anew after this read
         return got
 

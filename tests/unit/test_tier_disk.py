@@ -817,6 +817,10 @@ def test_a_page_waiting_for_the_writer_is_held_and_served_from_its_capture(
         assert capture.released == 0  # still the writer's
         activity = tier.status().process_activity
         assert (activity.hits, activity.pages_read, activity.pages_read_in_flight) == (1, 2, 1)
+        # the stored page comes with the digest its read verified, the waiting one with none
+        digests = [d for _, d in tier.fetch_digested(keys_of(rec), queued=True)]
+        assert digests == [tier.digest(rec.pages[0].key), None] and digests[0] is not None
+        assert len(tier.fetch_digested(keys_of(rec))) == 1  # stored pages only
     finally:
         gate.set()
     assert tier.flush(10)

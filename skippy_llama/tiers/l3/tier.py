@@ -305,14 +305,6 @@ class DiskTier:
         self._count_read(len(result.pages), sum(m.size for m in result.metas))
         return result.pages
 
-    def fetch_digested(self, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, bytes]]:
-        """:meth:`read` (stored pages only), each page with the digest its read verified: what
-        a mirror (L2) keeps beside a copy. Asking :meth:`digest` afterwards could answer for
-        bytes written since. Never raises."""
-        result = self._stored(keys)
-        self._count_read(len(result.pages), sum(m.size for m in result.metas))
-        return [(page, meta.digest) for page, meta in zip(result.pages, result.metas, strict=False)]
-
     def _stored(self, keys: Sequence[bytes]) -> ReadResult:
         """The stored prefix of ``keys``, uncounted."""
         if not self.serving or not keys:
@@ -345,11 +337,26 @@ class DiskTier:
         page whose record the writer is writing is read once the write ends. So a prefix in
         flight between the request path and the disk stays servable: a lookup racing a write
         is a hit. Never raises."""
+        return [page for page, _ in self.fetch_digested(keys, queued=True)]
+
+    def fetch_digested(
+        self, keys: Sequence[bytes], *, queued: bool = False
+    ) -> list[tuple[bytes | memoryview, bytes | None]]:
+        """:meth:`read` (stored pages only; with ``queued``, what :meth:`fetch` serves), each
+        page with the digest its read verified: what a mirror (L2) keeps beside a copy. Asking
+        :meth:`digest` afterwards could answer for bytes written since. A page made from a
+        record still waiting for the writer has no digest yet (None: hashing it here would
+        cost the request path a pass over its bytes). Never raises."""
+        if not queued:
+            result = self._stored(keys)
+            self._count_read(len(result.pages), sum(m.size for m in result.metas))
+            return [(p, m.digest) for p, m in zip(result.pages, result.metas, strict=False)]
         writer = self._writer
         if self.serving and keys:
             writer.wait_written(keys)
         result = self._stored(keys)
         pages: list[bytes | memoryview] = list(result.pages)
+        digests: list[bytes | None] = [m.digest for m in result.metas[: len(pages)]]
         n_bytes = sum(m.size for m in result.metas)
         in_flight = 0
         for _ in range(2):
@@ -357,6 +364,7 @@ class DiskTier:
                 break
             made, busy = writer.read_waiting(keys[len(pages) :])
             pages += made
+            digests += [None] * len(made)
             in_flight += len(made)
             n_bytes += sum(len(page) for page in made)
             if not busy:
@@ -368,9 +376,10 @@ class DiskTier:
             writer.wait_written(rest)
             more = self._stored(rest)
             pages += more.pages
+            digests += [m.digest for m in more.metas[: len(more.pages)]]
             n_bytes += sum(m.size for m in more.metas)
         self._count_read(len(pages), n_bytes, in_flight)
-        return pages
+        return list(zip(pages, digests, strict=True))
 
     # ------------------------------------------------------------------ restore points
     # (``points.py``; the ``PointTier`` protocol of ``skippy_llama.restore_points``)
@@ -393,7 +402,9 @@ class DiskTier:
         """:meth:`record` under the page-tier protocol's name."""
         return self.record(record)
 
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+    def promote(
+        self, key: bytes, payload: bytes | memoryview, prefix_tokens: int, digest: bytes | None
+    ) -> None:
         """L3 is the deepest local tier: nothing is promoted into it."""
 
     def record(self, rec: PrefixRecord) -> bool:

@@ -81,7 +81,9 @@ class RemoteTier:
         record.drop()  # never offered (takes_records is False)
         return False
 
-    def promote(self, key: bytes, payload: bytes | memoryview, prefix_tokens: int) -> None:
+    def promote(
+        self, key: bytes, payload: bytes | memoryview, prefix_tokens: int, digest: bytes | None
+    ) -> None:
         """Nothing is promoted into the remote tier: it is the deepest."""
 
     def note_miss(self) -> None:
