@@ -18,9 +18,12 @@ TTFT is the request's time to its first token (lookup, L3 reads, restore, the su
 the logits of both ways are compared with each other bit for bit. Needs the patched library
 (``scripts/setup.sh``'s default build); nothing here is a timed assertion.
 
-Usage::
+The JSON keeps the load average at the start and the end (``load_avg``) and the
+``LLCPP_FORCE_*`` settings of ``tests/force_ngl`` (``env``). Usage::
 
-    .venv/bin/python benchmarks/bench_append.py --out benchmarks/results/append.json
+    PYTHONPATH=$PWD/tests/force_ngl LLCPP_FORCE_NGL=0 LLCPP_FORCE_THREADS=1 \\
+        .venv/bin/python benchmarks/bench_append.py --reps 10 \\
+        --out benchmarks/results/append-s48.json
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -64,6 +68,8 @@ def main() -> int:
         print("bench_append: needs the patched llama.cpp build", file=sys.stderr)
         return 2
     model = resolve_model_path(args.model)
+    # a shared machine: the load the arms ran under goes with the result
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         l3 = {"mode": "fixed", "budget": "4GiB", "directory": tmp, "minimum_free": "1GiB"}
         # no resident checkpoints (a budget under one page): the L1 prefix is the live
@@ -115,6 +121,7 @@ def main() -> int:
                     f"restored {event.restored_bytes / 1e6:.1f} MB  ttft {event.ttft_ms:.1f} ms"
                 )
         llm.close()
+    load_end = os.getloadavg()
     summary = {
         mode: {
             key: statistics.median(r[key] for r in rows)
@@ -136,11 +143,14 @@ def main() -> int:
         f"{summary['l3_only']['ttft_ms']:.1f} ms, ratio {ratio:.2f}x; lookup+restore: append "
         f"{summary['append']['lookup_restore_ms']:.1f} ms, l3_only "
         f"{summary['l3_only']['lookup_restore_ms']:.1f} ms, ratio {cache_ratio:.2f}x; "
-        f"logits equal: {equal}"
+        f"logits equal: {equal}; load {load_start[0]:.1f} -> {load_end[0]:.1f}"
     )
     result = {
         **provenance("append"),
         "verdict": verdict.kind,
+        # the settings the command ran with that are not in its arguments (tests/force_ngl)
+        "env": {k: v for k, v in os.environ.items() if k.startswith("LLCPP_FORCE")},
+        "load_avg": {"start": load_start, "end": load_end},
         "long": args.long,
         "short": args.short,
         "median": summary,
