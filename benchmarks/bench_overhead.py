@@ -410,7 +410,14 @@ def profiled(mode: str, workload: str) -> dict[str, Any]:
 
 
 def _event_sums(events: list[dict[str, Any]]) -> dict[str, float]:
-    keys = ("lookup_ms", "restore_ms", "prefill_ms", "repaired_tokens", "cached_tokens")
+    keys = (
+        "lookup_ms",
+        "restore_ms",
+        "prefill_ms",
+        "record_ms",
+        "repaired_tokens",
+        "cached_tokens",
+    )
     return {k: round(sum(float(e.get(k, 0)) for e in events), 3) for k in keys}
 
 

@@ -31,6 +31,10 @@ class CacheEvent:
             it (the tokens it lost are cheaper to prefill again than a park and a restore);
             None when nothing was cut or it was parked.
         lookup_ms / restore_ms / prefill_ms / ttft_ms: wall-clock timings of the steps.
+        record_ms: wall-clock time the request spent after its last token recording the
+            prompt for the record-taking tiers (choosing its new pages, capturing their cells
+            and handing them to the L3 writer, which writes them off the request path); near 0
+            when nothing is recorded (L3 off) or the record waits (GPU builds).
         fallbacks: reasons a deeper tier was tried and abandoned (fail-open), if any.
         codec: the codec of the cache identity whose pages a hit restored: ``native`` (exact)
             or ``cachegen/<version>`` (lossy: the restored cells are not bit-identical to a
@@ -51,6 +55,7 @@ class CacheEvent:
     restore_ms: float = 0.0
     prefill_ms: float = 0.0
     ttft_ms: float = 0.0
+    record_ms: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
     codec: str = "native"
 

@@ -117,10 +117,13 @@ def _per_mode(rounds: Rounds, cells: Callable[[Cell, list[Info]], list[str]]) ->
 
 
 def _steps(events: dict[str, float] | None) -> str:
-    """lookup / restore / prefill ms of summed ``last_cache_event`` steps; ``–`` without."""
+    """lookup / restore / prefill / record ms of summed ``last_cache_event`` steps; ``–``
+    without (and no record step in JSON written before the event had one)."""
     if not events:
         return "–"
-    return f"{events['lookup_ms']:.0f} / {events['restore_ms']:.0f} / {events['prefill_ms']:.0f}"
+    steps = [events["lookup_ms"], events["restore_ms"], events["prefill_ms"]]
+    steps += [events["record_ms"]] if "record_ms" in events else []
+    return " / ".join(f"{ms:.0f}" for ms in steps)
 
 
 def wall_table(rounds: Rounds) -> str:
@@ -249,7 +252,7 @@ def steps_table(rounds: Rounds) -> str:
             steps = {k: statistics.median(e[k] for e in events) for k in events[0]}
             tokens = [f"{steps['repaired_tokens']:.0f}", f"{steps['cached_tokens']:.0f}"]
             rows.append([workload, mode, _steps(steps), *tokens])
-    header = ["workload", "mode", "lookup / restore / prefill (ms, summed)"]
+    header = ["workload", "mode", "lookup / restore / prefill / record (ms, summed)"]
     return _markdown([*header, "repaired tokens", "cached tokens"], rows)
 
 

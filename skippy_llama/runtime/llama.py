@@ -255,7 +255,10 @@ class SkippyLlama(llama_cpp.Llama):
         event.suffix_tokens = event.prompt_tokens - event.cached_tokens
         self.working.reply_start, self.working.reply_repairable = prompt_tokens, repairable
         self.last_cache_event = event
+        recording = time.perf_counter()
         guard(self.prefix_cache, "record", None, lambda: self.recorder.after_request(event))
+        # the one step of the request path after its last token: in the request's time
+        event.record_ms = (time.perf_counter() - recording) * 1e3
 
     def generate(  # type: ignore[override]
         self, tokens: Sequence[int], *args: Any, **kwargs: Any

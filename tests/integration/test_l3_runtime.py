@@ -682,6 +682,28 @@ def test_short_l3_read_is_reported_in_the_event(
     assert event.fallbacks, "the abandoned L3 page is not reported in the request's event"
 
 
+def test_the_record_step_is_timed_in_the_event(
+    smollm2_path: Path, tmp_path: Path, reference: list[str]
+) -> None:
+    """CacheEvent: "record_ms: wall-clock time the request spent after its last token
+    recording the prompt": with L3 on a cold prompt is recorded inside its request (CPU builds
+    record at once), and the event says how long that took beside the other steps."""
+    llm = SkippyLlama(
+        str(smollm2_path), n_ctx=N_CTX, verbose=False, cache_settings=l3_settings(tmp_path)
+    )
+    try:
+        llm.defer_record_tokens = 0  # record at once, as CPU builds do (GPU builds wait)
+        assert complete(llm, PROMPTS[0]) == reference[0]
+        event = llm.last_cache_event
+        records = llm.cache_status()["counters"]["records"]
+    finally:
+        llm.close()
+    assert event is not None and event.tier == "cold"
+    assert records == 1  # the prompt was recorded on this request's path
+    assert event.record_ms > 0
+    assert event.to_dict()["record_ms"] == event.record_ms
+
+
 # ---------------------------------------------------------------------- 9. learned costs
 
 
