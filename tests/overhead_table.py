@@ -14,7 +14,8 @@ tests depending on ``benchmarks/``.
 
 Streamed workloads (``chat_stream`` and the document workloads) also get the time to the first
 token, summed over a round's requests and of its last request, paired with plain's the same
-way. ``--readme`` prints the rows of README's Performance table for the document workloads
+way; the requests after the first are summed apart (``later_table``: the first is a cold prefill
+for every mode, and in the document workloads most of a round's time). ``--readme`` prints the rows of README's Performance table for the document workloads
 (same document, next question; interleaved documents after a restart) instead.
 
 Usage::
@@ -175,6 +176,41 @@ def ttft_table(rounds: Rounds) -> str:
     return _markdown(header, rows)
 
 
+def _later(key: str) -> Callable[[Info], float]:
+    """The sum of a round's per-request ``key`` (``request_s``, ``request_cpu_s``, ``ttft_s``)
+    after its first request."""
+    return lambda info: float(sum(info[key][1:]))
+
+
+def later_table(rounds: Rounds) -> str:
+    """The requests after the first (wall, process CPU and, where streamed, time to the first
+    token), summed per round: medians over rounds and paired ratios to plain.
+
+    In the document workloads the first request is a cold prefill of the whole document, ~90 %
+    of a round's time, the same work for every mode; what reusing the document costs or saves
+    is in the requests after it (the next questions), which the totals hide.
+    """
+    rows = []
+    for (workload, mode), per_round in rounds.items():
+        infos = list(per_round.values())
+        if any(len(info.get("request_s", [])) < 2 for info in infos):
+            continue
+        cells = []
+        for key in ("request_s", "request_cpu_s", "ttft_s"):
+            if not all(key in info for info in infos):
+                cells += ["–", "–"]
+                continue
+            value = _later(key)
+            ratios = paired_ratios(rounds, workload, mode, value)
+            median = statistics.median(value(info) for info in infos)
+            cells += [f"{median:.3f} s", "–" if mode == "plain" else _spread(ratios)]
+        rows.append([workload, mode, *cells])
+    header = ["workload", "mode", "after the first, median", "÷ plain, paired: median (min–max)"]
+    header += ["CPU after the first, median", "CPU ÷ plain, paired: median (min–max)"]
+    header += ["TTFT after the first, median", "TTFT ÷ plain, paired: median (min–max)"]
+    return _markdown(header, rows)
+
+
 #: README's rows: (workload, what the row measures)
 README_ROWS = (
     ("doc_questions", "same document, next question as completions"),
@@ -299,7 +335,8 @@ def tables(rows: list[Info]) -> list[str]:
     """Every table the rows give, in print order (empty ones left out)."""
     rounds = by_round(rows)
     if rounds:
-        found = [wall_table(rounds), ttft_table(rounds), cpu_table(rounds), steps_table(rounds)]
+        found = [wall_table(rounds), ttft_table(rounds), later_table(rounds), cpu_table(rounds)]
+        found.append(steps_table(rounds))
     else:
         found = [legacy_table(rows)]
     return [table for table in [*found, profile_table(rows)] if table]

@@ -160,3 +160,24 @@ def test_ttft_and_readme_rows_pair_each_round_with_plains() -> None:
     assert "(defaults / L3 on), median of 2 rounds" in readme
     assert "**1.04× / 1.04×; 0.50× / 0.50×**, last requests 1.04× / 1.04×; 0.50× / 0.50×" in readme
     assert "([result](benchmarks/results/x.json))" in readme
+
+
+def test_later_requests_are_paired_apart_from_the_first() -> None:
+    """The requests after the first, summed per round and paired with plain's same round: the
+    cold first request (the same for every mode) does not dilute what the next ones cost."""
+    table = overhead_table
+    rows = []
+    for r, slow in ((0, 1.0), (1, 2.0)):
+        for mode, cost in (("plain", 1.0), ("skippy", 1.2)):
+            row = _row(r, mode, [10.0 * slow, cost * slow, cost * slow], 1.0, "doc_questions")
+            row["request_cpu_s"] = [5.0, cost, cost]
+            row["ttft_s"] = [9.0 * slow, cost * slow / 2, cost * slow / 2]
+            rows.append(row)
+    rows.append(_row(0, "plain", [1.0], 1.0, "oneshot"))  # a single request: no later ones
+    later = table.later_table(table.by_round(rows))
+    assert (
+        "| doc_questions | skippy | 3.600 s | **1.20×** (1.20–1.20) | 2.400 s | **1.20×**" in later
+    )
+    assert "| 1.800 s | **1.20×** (1.20–1.20) |" in later
+    assert "| doc_questions | plain | 3.000 s | – |" in later
+    assert "oneshot" not in later
