@@ -17,12 +17,14 @@ Beyond the process's own points (L1 here: host memory on the CPU) a point is kep
 of :func:`skippy_llama.tiers.factory.build_point_tiers`: L2 (host RAM, a mirror of L3, whole
 states) and L3 (disk, survives a restart), which keeps a point composed: its attention cells as
 pages shared with every point through them, plus the state that is not per token
-(``tiers/l3/points.py``), all keyed by chain keys under the cache identity and verified on read.
-The lookup restores the deepest point, in any tier, that the prompt extends; a point served by
-L3 is copied into L2 and L1.
+(``tiers/l3/points.py``), all keyed by chain keys under the cache identity and verified on read;
+and the remote store (``tiers/remote/points.py``, the same composed form on a server several
+hosts share), which takes a point after L3 stored it (or directly without L3). The lookup
+restores the deepest point, in any tier, that the prompt extends; a point served by a deeper
+tier is copied into L3, then L2 (a mirror of L3), and L1.
 
 Sliding-window models (Gemma 3), whose window of cells at p exists only at p, take the same path
-when L3 is on: there the part that is not per token is the SWA layers' window of cells, and
+when L3 or the remote tier is on: there the part that is not per token is the SWA layers' window of cells, and
 points are kept only on positions where a restore is exact (:data:`SWA_ALIGN`).
 """
 
@@ -184,9 +186,11 @@ def open_for_model(
     window: int,
 ) -> RestorePointPath | None:
     """:func:`open_restore_points` for a loaded model: recurrent and hybrid models (which the
-    paged cache refuses) and sliding-window models (``window`` > 0) when L3 is on (their pages
-    cannot rebuild a prefix, so L3 keeps points); None for any other model."""
-    swa_points = window > 0 and settings.l3.mode != "off" and seq.disabled_reason is None
+    paged cache refuses) and sliding-window models (``window`` > 0) when L3 or the remote tier
+    is on (their pages cannot rebuild a prefix, so those tiers keep points); None for any other
+    model."""
+    deep = settings.l3.mode != "off" or settings.remote.enabled
+    swa_points = window > 0 and deep and seq.disabled_reason is None
     if seq.disabled_reason is None and not swa_points:
         return None
     if native_ext.abi_version() is None and swa_points:
@@ -338,16 +342,26 @@ class RestorePointPath:
         return RestorePoint(tokens, blob, max(recurrent, 0))
 
     def _offer(self, point: RestorePoint) -> None:
-        """L3 first, then L2, which mirrors only what L3 holds."""
-        stored = False
+        """L3 first, then L2, which mirrors only what L3 holds, and the remote tier, which
+        takes what L3 stored (exists before put), or every point where there is no L3."""
         root = self.store.root
         if self.trace is not None:  # pages (shared in L3) + the snapshot beside them
             snapshot = point.recurrent or len(point.blob)
             self.trace.point_record(root, point.tokens, len(point.blob) - snapshot, snapshot)
-        for tier in reversed(self.tiers):
-            if tier.name == "l3":
-                stored = tier.put_point(root, point, self.owner)
-            elif stored:
+        self._put(self.tiers, point, remote=True)
+
+    def _put(
+        self, tiers: Sequence[PointTier], point: RestorePoint, *, remote: bool, held: bool = False
+    ) -> None:
+        """Store ``point`` in ``tiers``: L3 first; L2 only when L3 took it (or already holds
+        it: ``held``); the remote tier (when ``remote``) when L3 took it or there is no L3."""
+        root = self.store.root
+        disk = next((tier for tier in tiers if tier.name == "l3"), None)
+        stored = held or (disk.put_point(root, point, self.owner) if disk is not None else False)
+        for tier in tiers:
+            mirror = tier.name == "l2" and stored
+            push = tier.name == "remote" and remote and (stored or disk is None)
+            if mirror or push:
                 tier.put_point(root, point, self.owner)
 
     def _find(self, prompt: np.ndarray[Any, np.dtype[np.int32]]) -> tuple[str, RestorePoint] | None:
@@ -370,9 +384,8 @@ class RestorePointPath:
                 point = tier.get_point(root, head)
                 if point is None:
                     continue
-                # promote into the shallower tiers (L2 only mirrors what L3 served)
-                for shallower in self.tiers[:i]:
-                    shallower.put_point(root, point, self.owner)
+                # promote into the shallower tiers (L2 only mirrors what L3 holds)
+                self._put(self.tiers[:i], point, remote=False, held=tier.name == "l3")
                 self.store.put(point.tokens, point.blob)
                 return tier.name, point
         return None
@@ -406,18 +419,22 @@ class RestorePointPath:
         event.restore_ms = (time.perf_counter() - t0) * 1e3
 
     def status(self) -> dict[str, Any]:
-        """The process's restore points (L1) and L2's bytes."""
+        """The process's restore points (L1), L2's bytes and the remote tier's counters."""
         out: dict[str, Any] = {"l1": {"points": len(self.store), "bytes": self.store.bytes}}
         for tier in self.tiers:
             if tier.name == "l2":
                 out["l2"] = {"bytes": getattr(tier, "stored_bytes", 0)}
+            elif tier.name == "remote":
+                status = getattr(tier, "status", None)
+                out["remote"] = status() if status is not None else {}
         return out
 
     def clear(self) -> None:
-        """Drop every restore point this process holds (L1, L2); L3 keeps its own."""
+        """Drop every restore point this process holds (L1, L2); L3 and the remote tier keep
+        their own."""
         self.store.clear()
         for tier in self.tiers:
-            if tier.name != "l3":
+            if tier.name == "l2":
                 clear = getattr(tier, "clear", None)
                 if clear is not None:
                     clear()

@@ -94,23 +94,30 @@ def build_tiers(context: TierContext) -> list[Tier]:
 
 
 def build_point_tiers(settings: Settings) -> list[PointTier]:
-    """The tiers that keep restore points beyond the live process (recurrent and hybrid
-    models, whose prefixes are not pageable): L2 (``l2.budget``, a mirror of L3) and L3, when
-    L3 is configured; fails open like :func:`build_tiers`. The remote tier does not take
-    restore points yet."""
-    if settings.l3.mode == "off":
-        return []
-    disk = DiskTier(settings.l3)
-    if not disk.serving:
-        log.warning(
-            "skippy-llama: L3 is %s (%s); restore points stay in memory", disk.state, disk.reason
-        )
-        disk.close()
-        return []
+    """The tiers that keep restore points beyond the live process (recurrent, hybrid and
+    sliding-window models, whose prefixes are not pageable), cheapest first: L2 (``l2.budget``,
+    a mirror of L3) and L3 when L3 is configured, then the remote store when ``remote.url`` is
+    set. Fails open like :func:`build_tiers` (an L3 that cannot serve is left out); the remote
+    tier's configuration fails closed (:class:`~skippy_llama.errors.ConfigError`)."""
     tiers: list[PointTier] = []
-    if settings.l2.budget:
-        tiers.append(RamPoints(settings.l2.budget))
-    tiers.append(disk)
+    if settings.l3.mode != "off":
+        disk = DiskTier(settings.l3)
+        if disk.serving:
+            if settings.l2.budget:
+                tiers.append(RamPoints(settings.l2.budget))
+            tiers.append(disk)
+        else:
+            log.warning(
+                "skippy-llama: L3 is %s (%s); restore points stay in memory",
+                disk.state,
+                disk.reason,
+            )
+            disk.close()
+    if settings.remote.enabled:
+        from .remote.points import RemotePoints  # the optional `remote` extra (redis)
+        from .remote.store import RemoteStore
+
+        tiers.append(RemotePoints(RemoteStore(settings.remote)))
     return tiers
 
 

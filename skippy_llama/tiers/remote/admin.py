@@ -19,7 +19,7 @@ from ..l3.auth import Signer
 from ..l3.schema import Manifest
 from . import codec
 from .client import failure_reason
-from .keys import CHILDREN, MANIFEST, PAGE, Keys
+from .keys import CHILDREN, MANIFEST, PAGE, POINT, POINT_LENGTHS, POINT_PAGE, Keys
 
 #: Keys per SCAN step and per pipelined batch.
 SCAN_COUNT = 1000
@@ -74,7 +74,9 @@ class Admin:
                 entry = inventory.setdefault(
                     ident,
                     {"pages": 0, "manifests": 0, "child_entries": 0, "bytes": 0,
-                     "other_secrets": 0, "models": {}, "codecs": {}},
+                     "other_secrets": 0, "models": {}, "codecs": {},
+                     "restore_points": 0, "restore_point_pages": 0,
+                     "restore_point_bytes": 0},
                 )  # fmt: skip
                 if secret != self.keys.secret:
                     entry["other_secrets"] += 1
@@ -82,7 +84,12 @@ class Admin:
                 if kind == CHILDREN:
                     entry["child_entries"] += size
                     continue
+                if kind == POINT_LENGTHS:
+                    continue
                 entry["bytes"] += size
+                if kind in (POINT, POINT_PAGE):  # restore points (issue 46): records + pages
+                    entry["restore_point_bytes"] += size
+                    entry["restore_points" if kind == POINT else "restore_point_pages"] += 1
                 if kind == PAGE:
                     entry["pages"] += 1
                 elif kind == MANIFEST:
@@ -130,7 +137,8 @@ class Admin:
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             parsed = self.keys.parse(name)
-            pipe.hlen(name) if parsed and parsed[2] == CHILDREN else pipe.strlen(name)
+            hashed = parsed is not None and parsed[2] in (CHILDREN, POINT_LENGTHS)
+            pipe.hlen(name) if hashed else pipe.strlen(name)
         lengths = pipe.execute(raise_on_error=False)  # a foreign value of another type: 0
         return [
             (name, n if isinstance(n, int) else 0) for name, n in zip(names, lengths, strict=True)

@@ -27,7 +27,14 @@ MAGIC = b"SKRV"
 VERSION = 1
 KIND_PAGE = 1
 KIND_MANIFEST = 2
-_LABELS = {KIND_PAGE: b"remote-page", KIND_MANIFEST: b"remote-manifest"}
+KIND_POINT = 3  # a restore point's record
+KIND_POINT_PAGE = 4  # an attention page of composed restore points
+_LABELS = {
+    KIND_PAGE: b"remote-page",
+    KIND_MANIFEST: b"remote-manifest",
+    KIND_POINT: b"remote-point",
+    KIND_POINT_PAGE: b"remote-point-page",
+}
 # magic, version, kind, n_tokens, body length, digest; the tag follows
 _HEAD = struct.Struct("<4sBBIQ16s")
 TAG_BYTES = 16

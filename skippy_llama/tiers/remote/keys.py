@@ -9,6 +9,15 @@ KV layout, backend, settings) ever asks for them, and ``clear`` of one identity 
                                                               node and end off a page boundary
                                                               (a record's tail): page key ->
                                                               tag + tokens
+    {namespace}:{identity}:{secret id}:r:{point key hex}     a restore point's record (codec.py
+                                                              frame around ``pack_composed`` or
+                                                              ``pack_point``; issue 46)
+    {namespace}:{identity}:{secret id}:q:{page key hex}      an attention page of composed
+                                                              restore points (kept apart from
+                                                              the paged cache's pages)
+    {namespace}:{identity}:{secret id}:n:{identity root hex}  a hash of the token counts the
+                                                              identity has restore points at:
+                                                              count -> tag
 
 The secret id (:func:`secret_id`) names the shared secret without revealing it: instances with
 another secret look under other keys, so they match nothing instead of matching pages they must
@@ -29,6 +38,10 @@ from ..l3.auth import Signer
 PAGE = b"p"
 MANIFEST = b"m"
 CHILDREN = b"c"
+POINT = b"r"
+POINT_PAGE = b"q"
+POINT_LENGTHS = b"n"
+_KINDS = (PAGE, MANIFEST, CHILDREN, POINT, POINT_PAGE, POINT_LENGTHS)
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 
 
@@ -82,6 +95,18 @@ class Keys:
     def children(self, identity_hex: str, parent: bytes) -> bytes:
         return self._name(identity_hex, CHILDREN, parent)
 
+    def point(self, identity_hex: str, key: bytes) -> bytes:
+        """A restore point's record, by its point key (``restore_points.point_key``)."""
+        return self._name(identity_hex, POINT, key)
+
+    def point_page(self, identity_hex: str, key: bytes) -> bytes:
+        """An attention page of composed restore points, by its chain key."""
+        return self._name(identity_hex, POINT_PAGE, key)
+
+    def point_lengths(self, identity_hex: str) -> bytes:
+        """The hash of the token counts the identity has restore points at."""
+        return self._name(identity_hex, POINT_LENGTHS, bytes.fromhex(check_identity(identity_hex)))
+
     def parse(self, name: bytes) -> tuple[str, str, bytes, bytes] | None:
         """``(identity hex, secret id, kind, key)`` of a key of this namespace, None for any
         other."""
@@ -89,7 +114,7 @@ class Keys:
         if not name.startswith(head):
             return None
         parts = name[len(head) :].split(b":")
-        if len(parts) != 4 or parts[2] not in (PAGE, MANIFEST, CHILDREN):
+        if len(parts) != 4 or parts[2] not in _KINDS:
             return None
         try:
             identity = check_identity(parts[0].decode("ascii"))

@@ -572,6 +572,10 @@ class RemoteStore:
                 "pages_without_bytes", "skipped_breaker_open", "skipped_writes_suspended",
                 "bad_values_deleted", "internal_errors", "cachegen_pages_sent",
                 "cachegen_pages_fetched", "codec_unsupported",
+                # restore points (``points.py``)
+                "point_hits", "point_misses", "point_bytes_in", "point_pushes", "point_writes",
+                "point_values_sent", "point_values_present", "point_bytes_out",
+                "points_dropped",
             )
         }  # fmt: skip
         assert self.settings.url is not None
