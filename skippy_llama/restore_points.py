@@ -262,6 +262,44 @@ def recompose_point(pages: Sequence[bytes], head: bytes, tail: bytes) -> bytes:
     return bytes(assemble(parsed, parsed[0].layout)) + tail
 
 
+@dataclass(frozen=True)
+class PointValues:
+    """A restore point as the values a store keeps: its record (``pack_composed``, or
+    ``pack_point`` for a state that cannot be cut) and its attention pages as (chain key,
+    page bytes) from position 0, the keys chained from the cache identity's root over the
+    point's tokens (so a page is shared by every point whose tokens run through it)."""
+
+    record: bytes
+    pages: tuple[tuple[bytes, bytes], ...]
+
+
+def point_values(point: RestorePoint, root: bytes, page_tokens: int) -> PointValues:
+    """``point`` as the values L3, the remote tier and bundles keep (see :class:`PointValues`)."""
+    composed = compose_point(point, page_tokens)
+    if composed is None:
+        return PointValues(pack_point(point, root), ())
+    pages = []
+    parent = root
+    for i, page in enumerate(composed.pages):
+        end = min((i + 1) * page_tokens, point.n_tokens)
+        parent = chain_key(parent, point.tokens[i * page_tokens : end])
+        pages.append((parent, page))
+    refs = tuple((key, page_digest(page)) for key, page in pages)
+    record = ComposedRecord(point.tokens, refs, composed.head, composed.tail)
+    return PointValues(pack_composed(record, root), tuple(pages))
+
+
+def page_keys(tokens: npt.NDArray[np.int32], root: bytes, page_tokens: int) -> list[bytes]:
+    """The chain keys of the attention pages of a composed point after ``tokens`` (what
+    :func:`point_values` names them), to check a record's references against its tokens."""
+    keys = []
+    parent = root
+    for start in range(0, len(tokens), page_tokens):
+        parent = chain_key(parent, tokens[start : start + page_tokens])
+        keys.append(parent)
+    return keys
+
+
 #: A composed record: magic, version, token count, page count, head bytes, tail bytes, xxh3_128
 #: of the identity root, xxh3_128 of the body (tokens, page references, head, tail).
 _COMPOSED_MAGIC = b"SKRC"

@@ -6,7 +6,9 @@ Layout (every integer little-endian)::
     | for each page: its tokens (int32, 4 bytes each) then its stored bytes
     | ed25519 signature (64 bytes) over everything before it
 
-The header names the signer's public key, carries L3's manifest body (cache identity, model,
+The header names the signer's public key and the bundle's ``kind``: ``prefix`` (the default when
+absent) or ``restore-points`` (``points.py``: records and pages of restore points instead of
+pages). A prefix bundle's header carries L3's manifest body (cache identity, model,
 pages with their sizes) and, per page, its parent node, token count, stored size and digest.
 Reading a bundle is checking it, in this order, before anything is trusted: the shape of the
 file and header; the signer is in the trust list and the signature verifies under that trusted
@@ -175,8 +177,6 @@ def write_bundle(
     """Write and sign a bundle (atomically: a temporary file renamed); returns its size."""
     pages = list(pages)
     header = {
-        "v": VERSION,
-        "signer": _raw(key.public_key()).hex(),
         "manifest": manifest.body(),
         "pages": [
             {
@@ -189,27 +189,17 @@ def write_bundle(
             for p in pages
         ],
     }
-    head = dump_json(header)
-    parts = [_HEAD.pack(MAGIC, VERSION, len(head)), head]
-    for page in pages:
-        parts += [page.tokens, page.stored]
-    body = b"".join(parts)
-    signature = key.sign(body)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(body)
-        f.write(signature)
-    os.replace(tmp, path)
-    return len(body) + len(signature)
+    payloads = [part for page in pages for part in (page.tokens, page.stored)]
+    return write_signed(path, header, payloads, key)
 
 
-def _int(value: Any, what: str, low: int = 0) -> int:
+def check_int(value: Any, what: str, low: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise BundleRefused(f"bundle header: {what} is not an integer >= {low}")
     return value
 
 
-def _key(value: Any, what: str) -> bytes:
+def check_key(value: Any, what: str) -> bytes:
     try:
         key = bytes.fromhex(value) if isinstance(value, str) else b""
     except ValueError:
@@ -219,8 +209,57 @@ def _key(value: Any, what: str) -> bytes:
     return key
 
 
+#: ``kind`` of a bundle of one prefix's pages (the default: bundles written before kinds).
+KIND_PREFIX = "prefix"
+
+
+@dataclass(frozen=True)
+class Signed:
+    """A bundle whose signature verified under a trusted key; its content still unchecked."""
+
+    header: dict[str, Any]
+    body: bytes  # everything the signature covers
+    offset: int  # where the payloads after the header start in ``body``
+    signer: str  # fingerprint
+    signer_file: str
+
+    @property
+    def kind(self) -> str:
+        kind = self.header.get("kind", KIND_PREFIX)
+        return kind if isinstance(kind, str) else ""
+
+
+def write_signed(
+    path: Path, header: dict[str, Any], payloads: Iterable[bytes], key: Ed25519PrivateKey
+) -> int:
+    """Write ``header`` (with the signer added) and ``payloads`` as a bundle signed with
+    ``key`` (atomically: a temporary file renamed); returns its size."""
+    head = dump_json({"v": VERSION, "signer": _raw(key.public_key()).hex(), **header})
+    body = b"".join([_HEAD.pack(MAGIC, VERSION, len(head)), head, *payloads])
+    signature = key.sign(body)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(body)
+        f.write(signature)
+    os.replace(tmp, path)
+    return len(body) + len(signature)
+
+
 def read_bundle(path: Path, trust: dict[bytes, tuple[Ed25519PublicKey, str]]) -> Bundle:
-    """Read and check the bundle at ``path`` (see the module docstring).
+    """Read and check the prefix bundle at ``path`` (see the module docstring).
+
+    Raises:
+        BundleRefused: why it is refused.
+    """
+    signed = read_signed(path, trust)
+    if signed.kind != KIND_PREFIX:
+        raise BundleRefused(f"{path} is a bundle of kind {signed.kind!r}, not of a prefix")
+    return _prefix(path, signed)
+
+
+def read_signed(path: Path, trust: dict[bytes, tuple[Ed25519PublicKey, str]]) -> Signed:
+    """Read the bundle at ``path`` and check its shape, that its signer is in ``trust`` and
+    that the signature verifies under that key; its content is checked by its kind's reader.
 
     Raises:
         BundleRefused: why it is refused.
@@ -265,12 +304,17 @@ def read_bundle(path: Path, trust: dict[bytes, tuple[Ed25519PublicKey, str]]) ->
             f"{path}: the signature does not verify under the trusted key {signer_print} "
             f"({source}): the bundle was changed after signing, or is damaged"
         ) from None
-    # signed by a trusted key: now the content is checked for consistency, not for trust
+    return Signed(header, body, _HEAD.size + head_len, signer_print, source)
+
+
+def _prefix(path: Path, signed: Signed) -> Bundle:
+    """The prefix bundle ``signed`` holds, checked for consistency (it is trusted already)."""
+    header, body = signed.header, signed.body
     try:
         man_body = header.get("manifest")
         if not isinstance(man_body, dict):
             raise BundleRefused(f"{path}: the header has no manifest")
-        mid = _key(man_body.get("id"), "manifest id")
+        mid = check_key(man_body.get("id"), "manifest id")
         manifest = Manifest.unpack(json.dumps(man_body).encode(), mid)
     except SkippyError as exc:
         raise BundleRefused(f"{path}: the manifest is invalid: {exc}") from None
@@ -278,17 +322,17 @@ def read_bundle(path: Path, trust: dict[bytes, tuple[Ed25519PublicKey, str]]) ->
     if not isinstance(rows, list) or len(rows) != len(manifest.pages):
         raise BundleRefused(f"{path}: the page list does not match the manifest")
     pages: list[BundlePage] = []
-    off = _HEAD.size + head_len
+    off = signed.offset
     parent = manifest.root
     for i, (row, mpage) in enumerate(zip(rows, manifest.pages, strict=True)):
         if not isinstance(row, dict):
             raise BundleRefused(f"{path}: page {i} is not an object")
-        key = _key(row.get("key"), f"page {i} key")
-        n_tokens = _int(row.get("n_tokens"), f"page {i} n_tokens", 1)
-        size = _int(row.get("size"), f"page {i} size", 1)
+        key = check_key(row.get("key"), f"page {i} key")
+        n_tokens = check_int(row.get("n_tokens"), f"page {i} n_tokens", 1)
+        size = check_int(row.get("size"), f"page {i} size", 1)
         if key != mpage.key or n_tokens != mpage.n_tokens:
             raise BundleRefused(f"{path}: page {i} differs from the manifest's")
-        if _key(row.get("parent"), f"page {i} parent") != parent:
+        if check_key(row.get("parent"), f"page {i} parent") != parent:
             raise BundleRefused(f"{path}: page {i} does not continue the prefix before it")
         end = off + 4 * n_tokens + size
         if end > len(body):
@@ -305,7 +349,7 @@ def read_bundle(path: Path, trust: dict[bytes, tuple[Ed25519PublicKey, str]]) ->
         parent = key if used == n_tokens else chain_key(parent, tokens_array(tokens[: 4 * used]))
     if off != len(body):
         raise BundleRefused(f"{path}: {len(body) - off} bytes after the last page")
-    return Bundle(manifest, tuple(pages), signer_print, source)
+    return Bundle(manifest, tuple(pages), signed.signer, signed.signer_file)
 
 
 def tokens_array(raw: bytes) -> npt.NDArray[np.int32]:

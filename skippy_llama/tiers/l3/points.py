@@ -37,17 +37,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ...errors import StateFormatError, StoreDataError
-from ...identity import chain_key
 from ...restore_points import (
     ComposedRecord,
     PointOwner,
     RestorePoint,
-    compose_point,
     is_composed,
-    pack_composed,
-    pack_point,
     page_digest,
     point_key,
+    point_values,
     recompose_point,
     unpack_composed,
     unpack_point,
@@ -100,6 +97,16 @@ class PointMeta:
             "model_name": self.model_name,
             "pages": [[key.hex(), size, int(owned)] for key, size, owned in self.pages],
         }
+
+    @property
+    def root(self) -> bytes:
+        """The cache identity root the point is stored under."""
+        return self.suffix[:_ROOT_BYTES]
+
+    @property
+    def key(self) -> bytes:
+        """The point's key (``restore_points.point_key`` of its tokens)."""
+        return self.suffix[_ROOT_BYTES + 4 :]
 
     @classmethod
     def unpack(cls, suffix: bytes, raw: bytes) -> PointMeta:
@@ -160,11 +167,14 @@ class Points:
         """The verified point after exactly ``tokens``; None when absent or damaged (counted:
         ``point_hits``, ``point_misses`` for a damaged or unreadable one, ``corrupt_points``).
         An absent point is not counted: the runtime asks at every stored length."""
+        return self.get_key(root, len(tokens), point_key(root, tokens))
+
+    def get_key(self, root: bytes, n_tokens: int, key: bytes) -> RestorePoint | None:
+        """:meth:`get` by the point's key and token count (a listed point, for export)."""
         parts = self.parts
         if parts.store is None or not parts.health.serving:
             return None
-        key = point_key(root, tokens)
-        suffix = _suffix(root, len(tokens), key)
+        suffix = _suffix(root, n_tokens, key)
         try:
             raw = parts.store.get(POINT + suffix)
         except StoreDataError:  # an untrusted row: dropped by the store, counted there
@@ -238,23 +248,13 @@ class Points:
             parts.counters.add("points_dropped")
             return False
         suffix = _suffix(root, point.n_tokens, point_key(root, point.tokens))
-        composed = compose_point(point, PAGE_TOKENS)
+        made = point_values(point, root, PAGE_TOKENS)
         rows: list[tuple[bytes, bytes]] = []  # (row key, stored value) of each page
-        if composed is None:
-            record = pack_point(point, root)
-        else:
-            refs = []
-            parent = root
-            for i, page in enumerate(composed.pages):
-                end = min((i + 1) * PAGE_TOKENS, point.n_tokens)
-                parent = chain_key(parent, point.tokens[i * PAGE_TOKENS : end])
-                row = POINT_PAGE + root[:_ROOT_BYTES] + parent
-                tag = parts.signer.value(b"restore-page", row, page)
-                rows.append((row, (tag if parts.signer.enabled else NO_TAG) + page))
-                refs.append((parent, page_digest(page)))
-            record = pack_composed(
-                ComposedRecord(point.tokens, tuple(refs), composed.head, composed.tail), root
-            )
+        for key, page in made.pages:
+            row = POINT_PAGE + root[:_ROOT_BYTES] + key
+            tag = parts.signer.value(b"restore-page", row, page)
+            rows.append((row, (tag if parts.signer.enabled else NO_TAG) + page))
+        record = made.record
         tag = parts.signer.value(b"restore-point", suffix, record)
         value = (tag if parts.signer.enabled else NO_TAG) + record
         cap = int(parts.health.budget_bytes() * POINT_SHARE)
@@ -290,7 +290,7 @@ class Points:
             return False
         parts.counters.add("point_writes")
         parts.counters.add("point_bytes_written", size)
-        if composed is not None:
+        if is_composed(record):
             parts.counters.add("point_pages_shared", len(rows) - len(added))
         return True
 

@@ -37,7 +37,7 @@ from .health import ENTRY_FLOOR, Health
 from .learned import LearnedCosts
 from .maintain import Maintenance
 from .pins import Pins
-from .points import Points
+from .points import PointMeta, Points
 from .policies import make_policy
 from .policy_api import Policy
 from .reader import Reader, ReadResult
@@ -392,6 +392,15 @@ class DiskTier:
         """The verified restore point after exactly ``tokens``; None when absent or damaged
         (quarantined and counted). Never raises."""
         return self._points.get(root, tokens)
+
+    def point_metas(self) -> list[PointMeta]:
+        """What the store lists about every restore point (reads only; damaged rows skipped)."""
+        return self._points.metas() if self.serving else []
+
+    def read_point(self, meta: PointMeta) -> RestorePoint | None:
+        """The verified point ``meta`` lists (as :meth:`get_point`); None when gone or
+        damaged. Never raises."""
+        return self._points.get_key(meta.root, meta.n_tokens, meta.key)
 
     def put_point(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
         """Store a restore point (synchronously: records are one state each); False when

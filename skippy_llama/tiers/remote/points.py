@@ -32,17 +32,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ...errors import StateFormatError, StoreDataError
-from ...identity import chain_key
 from ...restore_points import (
-    ComposedRecord,
     PointOwner,
     RestorePoint,
-    compose_point,
     is_composed,
-    pack_composed,
-    pack_point,
     page_digest,
     point_key,
+    point_values,
     recompose_point,
     unpack_composed,
     unpack_point,
@@ -231,25 +227,13 @@ class RemotePoints:
         """(server key, frame) of every value of ``point``: its pages first, then its record
         (a reader that finds the record finds its pages, unless the server evicted them)."""
         signer = self.store._signer
-        composed = compose_point(point, PAGE_TOKENS)
+        made = point_values(point, root, PAGE_TOKENS)
         values: list[tuple[bytes, bytes]] = []
-        if composed is None:
-            record = pack_point(point, root)
-        else:
-            refs = []
-            parent = root
-            for i, page in enumerate(composed.pages):
-                end = min((i + 1) * PAGE_TOKENS, point.n_tokens)
-                parent = chain_key(parent, point.tokens[i * PAGE_TOKENS : end])
-                pname = self.store.keys.point_page(ident, parent)
-                frame = codec.pack(
-                    signer, pname, codec.KIND_POINT_PAGE, end - i * PAGE_TOKENS, page
-                )
-                values.append((pname, frame))
-                refs.append((parent, page_digest(page)))
-            record = pack_composed(
-                ComposedRecord(point.tokens, tuple(refs), composed.head, composed.tail), root
-            )
+        for i, (key, page) in enumerate(made.pages):
+            pname = self.store.keys.point_page(ident, key)
+            n = min(PAGE_TOKENS, point.n_tokens - i * PAGE_TOKENS)
+            values.append((pname, codec.pack(signer, pname, codec.KIND_POINT_PAGE, n, page)))
+        record = made.record
         values.append((name, codec.pack(signer, name, codec.KIND_POINT, point.n_tokens, record)))
         return values
 
