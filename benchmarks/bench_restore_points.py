@@ -16,6 +16,18 @@ and by first-token logits:
   (restore points at multiples of 256 tokens of the document, from L1) and after a restart (a
   new process on the same L3 directory answers questions 2-6: L3, then L1), target ≤ 0.3.
 
+Two more arms carry the document's points to another host (issue 46's remote tier and
+bundles), each answered by a new process whose own L3 is empty:
+
+- ``remote`` (with ``--redis-server BIN``: a ``redis-server`` started on a Unix socket in a
+  scratch directory): the in-process SkippyLlama also pushes its points to the server; the new
+  process restores from there (then L1).
+- ``bundle``: the deepest point of the document's prefill, with the shallower ones it extends,
+  exported from the first L3 as a signed bundle (``skippy_llama.handoff.points``) and imported
+  into an empty L3, which the new process reads.
+
+Reported as TTFT of questions 2-6 ÷ plain ``Llama``'s, like the restart.
+
 ``--family gemma3`` runs the document workload on Gemma 3 270M Q4_K_M (sliding window, the
 ``model`` extra; no chat): its restore points sit on multiples of 512 tokens
 (``skippy_llama.runtime.restore_points.SWA_ALIGN`` and ``n_ubatch``). Plain ``Llama`` answers
@@ -66,9 +78,17 @@ def _tokens(n: int, seed: int) -> list[int]:
     return [int(t) for t in rng.integers(3, 400, size=n)]
 
 
-def _settings(l3: Path) -> Settings:
+#: the remote arm's server: (url, secret file), set by main() with --redis-server
+REMOTE: tuple[str, Path] | None = None
+
+
+def _settings(l3: Path, remote: tuple[str, Path] | None = None) -> Settings:
+    extra: dict[str, Any] = {}
+    if remote is not None:
+        extra["remote"] = {"url": remote[0], "secret_file": str(remote[1])}
     return Settings(
-        l3={"mode": "fixed", "budget": "4GiB", "directory": str(l3), "minimum_free": "1GiB"}
+        l3={"mode": "fixed", "budget": "4GiB", "directory": str(l3), "minimum_free": "1GiB"},
+        **extra,
     )
 
 
@@ -81,7 +101,7 @@ def _open(path: Path, l3: Path | None) -> llama_cpp.Llama:
     }
     if l3 is None:
         return llama_cpp.Llama(str(path), **kwargs)
-    return SkippyLlama(str(path), cache_settings=_settings(l3), **kwargs)
+    return SkippyLlama(str(path), cache_settings=_settings(l3, REMOTE), **kwargs)
 
 
 def _ask(llm: llama_cpp.Llama, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -169,17 +189,24 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 
 def _child(args: argparse.Namespace) -> None:
-    """The restart arm: a new process on the L3 directory answers the questions 2-6."""
+    """The restart, remote and bundle arms: a new process on the L3 directory (with the
+    remote server when given) answers the questions 2-6."""
+    global REMOTE
     llama_cpp.llama_log_set(_quiet, None)
+    if args.remote_url:
+        REMOTE = (args.remote_url, args.remote_secret)
     result = doc(args.model, args.l3, range(1, QUESTIONS))
     for row in result["rows"]:
         row["logits_bytes"] = row["logits_bytes"].hex()
     print(json.dumps(result))
 
 
-def _restart(model: Path, l3: Path) -> dict[str, Any]:
+def _restart(model: Path, l3: Path, remote: tuple[str, Path] | None = None) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--child", "--model", str(model), "--l3", str(l3)]
+    if remote is not None:
+        argv += ["--remote-url", remote[0], "--remote-secret", str(remote[1])]
     out = subprocess.run(
-        [sys.executable, __file__, "--child", "--model", str(model), "--l3", str(l3)],
+        argv,
         capture_output=True,
         text=True,
         check=True,
@@ -192,12 +219,83 @@ def _restart(model: Path, l3: Path) -> dict[str, Any]:
     return result
 
 
+def _start_redis(binary: str, scratch: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """A ``redis-server`` on a Unix socket in ``scratch``: (process, url, secret file)."""
+    import redis
+
+    sock = scratch / "redis.sock"
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
+         "--save", "", "--appendonly", "no", "--dir", str(scratch)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"unix://{sock}?db=0"
+    client = redis.Redis.from_url(url)
+    for _ in range(600):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    client.close()
+    secret = scratch / "remote.key"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    return proc, url, secret
+
+
+def _bundle(source: Path, target: Path, scratch: Path) -> dict[str, Any]:
+    """Export the deepest point of the document's prefill (and the shallower ones it extends)
+    from L3 ``source`` and import it into the empty L3 ``target``."""
+    from skippy_llama.handoff.bundle import generate_keypair, load_trust, read_signed
+    from skippy_llama.handoff.points import export_points, import_points, read_point_bundle
+
+    key, pub = scratch / "bundle.pem", scratch / "bundle.pub.pem"
+    if not key.exists():
+        generate_keypair(key, pub)
+    out = scratch / "doc.skb"
+    tier = DiskTier(_settings(source).l3, close_at_exit=False)
+    try:
+        deepest = max(
+            (m for m in tier.point_metas() if m.n_tokens <= DOC), key=lambda m: m.n_tokens
+        )
+        t0 = time.perf_counter()
+        exported = export_points(tier, deepest.key.hex(), out, key)
+        export_s = time.perf_counter() - t0
+    finally:
+        tier.close()
+    tier = DiskTier(_settings(target).l3, close_at_exit=False)
+    try:
+        t0 = time.perf_counter()
+        bundle = read_point_bundle(out, read_signed(out, load_trust(pub)))
+        imported = import_points(tier, bundle)
+        import_s = time.perf_counter() - t0
+    finally:
+        tier.close()
+    return {
+        "tokens": exported.tokens,
+        "bytes": exported.bytes,
+        "snapshot_bytes": exported.snapshot_bytes,
+        "page_bytes": exported.page_bytes,
+        "export_s": export_s,
+        "import_s": import_s,
+        "stored": imported.stored,
+    }
+
+
 def main() -> None:
+    global REMOTE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="qwen35", choices=[*sorted(FAMILIES), "gemma3"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--redis-server", metavar="BIN", help="run the remote arm on this redis-server binary"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--remote-url", help=argparse.SUPPRESS)
+    parser.add_argument("--remote-secret", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--l3", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -206,7 +304,12 @@ def main() -> None:
         return
     llama_cpp.llama_log_set(_quiet, None)
     scratch = Path(tempfile.mkdtemp(prefix="bench-rp-"))
+    server: subprocess.Popen[bytes] | None = None
     try:
+        remote: tuple[str, Path] | None = None
+        if args.redis_server:
+            server, url, secret = _start_redis(args.redis_server, scratch)
+            remote = (url, secret)
         swa = args.family == "gemma3"
         if swa:
             from skippy_llama.models import gemma3_model_path
@@ -230,8 +333,13 @@ def main() -> None:
             plain_chat = empty if swa else chat(model, None)
             skippy_chat = empty if swa else chat(model, l3 / "chat")
             plain_doc = doc(model, None, range(QUESTIONS), cold=swa)
+            REMOTE = remote  # host A pushes its points to the server too (off the TTFT)
             skippy_doc = doc(model, l3 / "doc", range(QUESTIONS))
+            REMOTE = None
             restart = _restart(model, l3 / "doc")
+            moved = _bundle(l3 / "doc", l3 / "bundle", scratch)
+            from_bundle = _restart(model, l3 / "bundle")
+            from_remote = _restart(model, l3 / "remote", remote) if remote else None
             cold = [row["ttft_s"] for row in plain_doc["rows"][1:]]
             warm = [row["ttft_s"] for row in skippy_doc["rows"][1:]]
             again = [row["ttft_s"] for row in restart["rows"]]
@@ -244,7 +352,14 @@ def main() -> None:
                 "chat_equal": swa or _same(plain_chat["turns"], skippy_chat["turns"]),
                 "doc_equal": _same(plain_doc["rows"], skippy_doc["rows"]),
                 "restart_equal": _same(plain_doc["rows"][1:], restart["rows"]),
+                "bundle_ttft_q2_6_ratio": sum(r["ttft_s"] for r in from_bundle["rows"]) / sum(cold),
+                "bundle_equal": _same(plain_doc["rows"][1:], from_bundle["rows"]),
             }
+            if from_remote is not None:
+                summary["remote_ttft_q2_6_ratio"] = sum(
+                    r["ttft_s"] for r in from_remote["rows"]
+                ) / sum(cold)
+                summary["remote_equal"] = _same(plain_doc["rows"][1:], from_remote["rows"])
             print(f"round {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
             rounds.append(
                 {
@@ -260,7 +375,10 @@ def main() -> None:
                         "plain": [_strip(t) for t in plain_doc["rows"]],
                         "skippy": [_strip(t) for t in skippy_doc["rows"]],
                         "restart": [_strip(t) for t in restart["rows"]],
+                        "bundle": [_strip(t) for t in from_bundle["rows"]],
+                        "remote": [_strip(t) for t in from_remote["rows"]] if from_remote else [],
                     },
+                    "bundle": moved,
                     "l3_bytes": sum(f.stat().st_size for f in l3.rglob("*") if f.is_file()),
                     "l3_points": {
                         "chat": {} if swa else _points(l3 / "chat"),
@@ -293,6 +411,9 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
     finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

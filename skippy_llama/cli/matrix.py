@@ -58,6 +58,12 @@ presets:
 both ways; reports greedy agreement with the target's cold output and the max |delta logit| of
 the prompt's last logits. Skipped (with a message) when only one backend is present.
 
+--families NAMES|all: also the architecture-family rows (issue 46): per family (the synthetic
+recurrent and hybrid models mamba2, qwen35, granitehybrid, lfm2, and gemma3 when installed), a
+shared document served from restore points in each tier (l1, l2, l3 after a restart, remote
+with --remote-url and --remote-secret-file, a signed bundle imported into an empty L3), each
+answer compared with a cold plain Llama bit for bit (tokens and first-token logits).
+
 A step that fails (a K/V type a build cannot run, out of memory) is reported with its error and
 the rest of the matrix still runs.
 
@@ -121,6 +127,18 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--work-dir", metavar="DIR", type=Path, help="L3 stores (default: a temporary directory)"
     )
+    parser.add_argument(
+        "--families",
+        metavar="NAMES",
+        help="also the architecture-family rows: comma-separated of mamba2, qwen35, "
+        "granitehybrid, lfm2, gemma3, or all",
+    )
+    parser.add_argument(
+        "--remote-url", metavar="URL", help="the family rows' remote column: a Redis/Valkey URL"
+    )
+    parser.add_argument(
+        "--remote-secret-file", metavar="FILE", type=Path, help="its shared secret (0600)"
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when any gate fails")
     parser.add_argument(
         "--replot",
@@ -180,6 +198,7 @@ def handle(args: argparse.Namespace) -> int:
     backends = select_backends(backends_for_build(build), wanted)
     model = str(resolve_model_path(args.model))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="skippy-matrix-"))
+    families, remote = _families(args, work)
     print(
         f"matrix ({cfg.preset}): build {build}; backends {', '.join(b.name for b in backends)}; "
         f"K/V {', '.join(cfg.kv_types)}; workloads {', '.join(cfg.workloads)}; "
@@ -196,6 +215,8 @@ def handle(args: argparse.Namespace) -> int:
             with_portability=args.portability,
             command=["skippy-llama", *sys.argv[1:]],
             say=lambda line: print(line, flush=True),
+            families=families,
+            remote=remote,
         )
     finally:
         if args.work_dir is None:
@@ -210,5 +231,29 @@ def handle(args: argparse.Namespace) -> int:
     for error in report["errors"]:
         print(f"  FAILED {error['backend']} {error['kv']} {error['step']}: {error['error']}")
     inexact = totals["exact"]["fail"] + totals["l3_onoff"]["fail"]
+    fam = report.get("families") or {"rows": [], "errors": []}
+    inexact += sum(1 for r in fam["rows"] if r["exact"] is False)
+    for error in fam["errors"]:
+        print(f"  FAILED family {error['family']}: {error['error']}")
     failed = sum(t["fail"] for t in totals.values())
-    return 1 if inexact or report["errors"] or (args.strict and failed) else 0
+    errors = report["errors"] or fam["errors"]
+    return 1 if inexact or errors or (args.strict and failed) else 0
+
+
+def _families(args: argparse.Namespace, work: Path) -> tuple[list[Any], tuple[str, Path] | None]:
+    """The families ``--families`` names and the remote column's server, checked."""
+    if not args.families:
+        if args.remote_url or args.remote_secret_file:
+            raise ConfigError("--remote-url and --remote-secret-file go with --families")
+        return [], None
+    from ..matrix.families import available_families
+
+    names = ("mamba2", "qwen35", "granitehybrid", "lfm2", "gemma3")
+    wanted = None if args.families.strip() == "all" else _names(args.families, names, "--families")
+    if bool(args.remote_url) != bool(args.remote_secret_file):
+        raise ConfigError("--remote-url and --remote-secret-file go together")
+    remote = (args.remote_url, args.remote_secret_file) if args.remote_url else None
+    families = available_families(work / "family-models", wanted)
+    if wanted and "gemma3" in wanted and not any(f.name == "gemma3" for f in families):
+        raise ConfigError("--families gemma3: Gemma 3 270M is not installed (the model extra)")
+    return families, remote

@@ -127,7 +127,36 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['agreement']:.2f} | {_num(r['max_abs_dlogit'], '{:.4g}')} | "
                 f"{r['off_l3_cached_tokens']} |"
             )
+    lines += _families(report.get("families"))
     return "\n".join(lines) + "\n"
+
+
+def _families(fam: dict[str, Any] | None) -> list[str]:
+    """The family rows (``families.py``): per architecture family and tier, where the answer
+    came from and whether it equals a cold prefill."""
+    lines = ["", "## Architecture families (restore points)", ""]
+    if not fam:
+        lines.append("Not run (pass `--families`).")
+        return lines
+    lines += [
+        f"A {fam['doc_tokens']}-token document + {fam['question_tokens']}-token questions, "
+        f"{fam['answer_tokens']} greedy tokens, beside a cold plain `Llama` (tokens and "
+        "first-token logits compared bit for bit); TTFT ÷ cold is one request each, a "
+        "measurement of this run.",
+        "",
+        "| family | memory | tier | served by | cached / prompt | exact | TTFT ÷ cold | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in fam["rows"]:
+        exact = "-" if r["exact"] is None else ("yes" if r["exact"] else "**no**")
+        lines.append(
+            f"| {r['family']} | {r['memory']} | {r['tier']} | {r['served']} | "
+            f"{r['cached_tokens']} / {r['prompt_tokens']} | {exact} | {_num(r['ttft_ratio'])} | "
+            f"{r['note']} |"
+        )
+    for e in fam.get("errors", []):
+        lines.append(f"\nFailed: {e['family']}: `{e['error']}`")
+    return lines
 
 
 def _bars(

@@ -7,12 +7,14 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from . import gates, portability
 from .config import Backend, MatrixConfig
+from .families import Family, run_families
 from .runner import Cell, GroupRunner, Say
 
 
@@ -60,8 +62,12 @@ def run_matrix(
     with_portability: bool,
     command: list[str] | None = None,
     say: Say = print,
+    families: Sequence[Family] = (),
+    remote: tuple[str, Path] | None = None,
 ) -> dict[str, Any]:
-    """Run the matrix and return the report (see ``report.write`` for the files)."""
+    """Run the matrix and return the report (see ``report.write`` for the files); with
+    ``families``, their rows too (``families.py``; ``remote``: the server's URL and secret
+    file for the remote column)."""
     started = time.perf_counter()
     started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     total = len(backends) * len(cfg.kv_types) * len(cfg.workloads) * len(cfg.tiers)
@@ -135,7 +141,12 @@ def run_matrix(
             say(f"!! portability failed: {port['error']}")
         if port.get("skipped"):
             say(f"portability skipped: {port['skipped']}")
+    family_report: dict[str, Any] | None = None
+    if families:
+        threads = cfg.threads or 1
+        family_report = run_families(families, work, threads=threads, remote=remote, say=say)
     return {
+        "families": family_report,
         "command": command or sys.argv,
         "commit": _commit(),
         "started": started_at,
