@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..config import Settings
+from ..runtime import native
 from ..runtime.baseline import ColdLlama
 from ..runtime.llama import SkippyLlama
 
@@ -116,8 +117,8 @@ def _answer(llm: Any, prompt: list[int]) -> tuple[list[int], bytes, float]:
     for token in llm.generate(prompt, temp=0.0, top_k=1):
         if not tokens:
             ttft = time.perf_counter() - t0
-            # the prompt's last row: what Llama.eval saved of the last batch's logits
-            first = np.asarray(llm.scores[len(prompt) - 1]).tobytes()
+            # the prompt's last logits (before the first sampled token is decoded)
+            first = native.last_logits(llm.ctx, llm.n_vocab()).tobytes()
         tokens.append(token)
         if len(tokens) == ANSWER_TOKENS:
             break

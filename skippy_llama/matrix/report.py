@@ -127,11 +127,11 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['agreement']:.2f} | {_num(r['max_abs_dlogit'], '{:.4g}')} | "
                 f"{r['off_l3_cached_tokens']} |"
             )
-    lines += _families(report.get("families"))
+    lines += families_markdown(report.get("families"))
     return "\n".join(lines) + "\n"
 
 
-def _families(fam: dict[str, Any] | None) -> list[str]:
+def families_markdown(fam: dict[str, Any] | None) -> list[str]:
     """The family rows (``families.py``): per architecture family and tier, where the answer
     came from and whether it equals a cold prefill."""
     lines = ["", "## Architecture families (restore points)", ""]
