@@ -245,6 +245,14 @@ def _start_redis(binary: str, scratch: Path) -> tuple[subprocess.Popen[bytes], s
     return proc, url, secret
 
 
+def _flush(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    client.close()
+
+
 def _bundle(source: Path, target: Path, scratch: Path) -> dict[str, Any]:
     """Export the deepest point of the document's prefill (and the shallower ones it extends)
     from L3 ``source`` and import it into the empty L3 ``target``."""
@@ -333,6 +341,8 @@ def main() -> None:
             plain_chat = empty if swa else chat(model, None)
             skippy_chat = empty if swa else chat(model, l3 / "chat")
             plain_doc = doc(model, None, range(QUESTIONS), cold=swa)
+            if remote is not None:  # each round's host A starts from an empty server
+                _flush(remote[0])
             REMOTE = remote  # host A pushes its points to the server too (off the TTFT)
             skippy_doc = doc(model, l3 / "doc", range(QUESTIONS))
             REMOTE = None
