@@ -24,6 +24,14 @@ buffers' page faults, opening the store, pinning), moves the average by ``alpha`
 becoming it. Issue 45 measured the other way on an H100: a first L3 restore took 1.61× a cold
 prefill, became L3's rate, and the planner then refused L3 for that prefix, so it was never
 measured again.
+The prior alone is a floor no restore reaches, so a process's *first* restore of a tier is planned
+from the probe's other figures too (``observe_host``): a tier in storage or across the network
+(``storage``) adds ``STORAGE_HOST_PASSES`` host passes at the probed host-copy rate (the read into
+a buffer and the digest check), and every restore of more bytes than this process restored
+before adds their first touch (page faults of fresh buffers, and their registration where they
+are pinned) at the probed rate. So a first restore goes ahead only where even that costs less
+than the prefill it spares (issue 45: an H100's first 2k-token L3 restore, planned at the bus's
+rate alone, took 1.10x a cold prefill).
 Replace the model to change the rules: :class:`AlwaysRestore` restores and parks whenever the
 tiers can, whatever the measurements say (tests of which tier serves a prompt use it; an
 operator can too).
@@ -39,6 +47,10 @@ import threading
 DEFAULT_ALPHA = 0.2
 #: Prefills shorter than this are not timed: fixed per-call costs would dominate the rate.
 MIN_PREFILL_TOKENS = 16
+#: Host passes over a restore's bytes that a tier in storage or across the network adds before
+#: the bus moves them, planning its first restore: the read into a buffer and the digest check
+#: (issue 45: an H100's first 2k-token L3 restore spent 11 ms fetching 46 MB, the bus 1 ms).
+STORAGE_HOST_PASSES = 2
 
 
 class CostModel:
@@ -62,6 +74,13 @@ class CostModel:
         self.park_seconds: float | None = None
         #: seconds per byte the bus takes at best (see the module docstring; None: not probed)
         self.bus_seconds_per_byte: float | None = None
+        #: seconds per byte of a host-to-host copy at best, and of committing (faulting in, and
+        #: pinning where buffers are pinned) host memory touched for the first time, from the
+        #: same probe (None: not probed); see the module docstring
+        self.host_seconds_per_byte: float | None = None
+        self.first_touch_seconds_per_byte: float | None = None
+        #: the most bytes one restore of this process moved: buffers that large are committed
+        self.touched_bytes = 0
         self._lock = threading.Lock()
 
     def _ewma(self, old: float | None, sample: float) -> float:
@@ -91,6 +110,7 @@ class CostModel:
             # a tier's first restore starts from the bus's rate (see the module docstring)
             old = self.restore_rates.get(tier, self.bus_seconds_per_byte)
             self.restore_rates[tier] = self._ewma(old, seconds / n_bytes)
+            self.touched_bytes = max(self.touched_bytes, n_bytes)
 
     def observe_bus(self, n_bytes: int, seconds: float) -> None:
         """The load-time probe moved ``n_bytes`` host to device (or host to host on the CPU)
@@ -99,6 +119,17 @@ class CostModel:
             return
         with self._lock:
             self.bus_seconds_per_byte = seconds / n_bytes
+
+    def observe_host(self, n_bytes: int, seconds: float, first_touch_seconds: float) -> None:
+        """The load-time probe copied ``n_bytes`` host to host in ``seconds`` at best, and
+        committing ``n_bytes`` of fresh host memory took ``first_touch_seconds`` (its page
+        faults, and its registration where buffers are pinned); nonsense is ignored."""
+        if n_bytes <= 0 or seconds <= 0 or not self._valid(seconds):
+            return
+        with self._lock:
+            self.host_seconds_per_byte = seconds / n_bytes
+            if self._valid(first_touch_seconds):
+                self.first_touch_seconds_per_byte = first_touch_seconds / n_bytes
 
     def observe_checkpoint_restore(self, seconds: float) -> None:
         """Restoring one L1 checkpoint into the working sequence took ``seconds``."""
@@ -130,21 +161,36 @@ class CostModel:
         rate = self.prefill_seconds_per_token
         return None if rate is None else rate * tokens
 
-    def restore_cost(self, n_bytes: int, *, tier: str) -> float | None:
-        """Estimated seconds to restore ``n_bytes`` of pages whose deepest source is ``tier``:
-        at ``tier``'s measured rate, else at the probed bus's (a floor), else None."""
+    def restore_cost(self, n_bytes: int, *, tier: str, storage: bool = False) -> float | None:
+        """Estimated seconds to restore ``n_bytes`` of pages whose deepest source is ``tier``
+        (``storage``: it reads storage or the network): at ``tier``'s measured rate, else at
+        the probed bus's (plus ``STORAGE_HOST_PASSES`` host copies for storage), else None;
+        plus the first touch of the bytes beyond any earlier restore of this process."""
         rate = self.restore_rate(tier)
         if rate is None:
             rate = self.bus_seconds_per_byte
-        return None if rate is None else rate * n_bytes
+            host = self.host_seconds_per_byte
+            if rate is not None and storage and host is not None:
+                rate += STORAGE_HOST_PASSES * host
+        return None if rate is None else rate * n_bytes + self.first_touch_cost(n_bytes)
+
+    def first_touch_cost(self, n_bytes: int) -> float:
+        """Seconds a restore of ``n_bytes`` pays once for host memory not touched before in
+        this process (0 once a restore that large was made, or unprobed): counted as if all of
+        its bytes beyond the largest earlier restore landed in fresh memory."""
+        rate = self.first_touch_seconds_per_byte
+        return 0.0 if rate is None else rate * max(0, n_bytes - self.touched_bytes)
 
     # -- the rules the planner asks -------------------------------------------------------
 
-    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, tier: str) -> bool:
-        """Whether restoring ``moved_bytes`` of pages (deepest source ``tier``) beats
-        prefilling the ``saved_tokens`` the restore spares (True until both are measured; an
-        unmeasured tier is estimated at the probed bus's rate)."""
-        restore = self.restore_cost(moved_bytes, tier=tier)
+    def pages_pay(
+        self, moved_bytes: int, saved_tokens: int, *, tier: str, storage: bool = False
+    ) -> bool:
+        """Whether restoring ``moved_bytes`` of pages (deepest source ``tier``; ``storage``:
+        it reads storage or the network) beats prefilling the ``saved_tokens`` the restore
+        spares (True until both are measured; an unmeasured tier is estimated from the probed
+        bus, see :meth:`restore_cost`)."""
+        restore = self.restore_cost(moved_bytes, tier=tier, storage=storage)
         cold = self.cold_cost(saved_tokens)
         return restore is None or cold is None or restore < cold
 
@@ -170,7 +216,9 @@ class AlwaysRestore(CostModel):
     """A cost model whose rules always answer yes: every hit is restored and every prefix
     parked that the tiers can hold. It still measures, so admission and status see the rates."""
 
-    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, tier: str) -> bool:
+    def pages_pay(
+        self, moved_bytes: int, saved_tokens: int, *, tier: str, storage: bool = False
+    ) -> bool:
         return True
 
     def checkpoint_pays(self, saved_tokens: int) -> bool:

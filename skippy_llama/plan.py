@@ -357,10 +357,15 @@ class Planner:
             return best
         sources = self.sources(path, tiers)
         # the deepest source's reads dominate a restore: its rate prices the whole of it
-        deepest = max(sources, key=tiers.index).name
+        deepest_tier = max(sources, key=tiers.index)
+        deepest = deepest_tier.name
+        # a tier not in host RAM reads storage or the network: its unmeasured first restore
+        # is planned with those reads (``CostModel.restore_cost``)
+        storage = not deepest_tier.in_memory
         append = prompt.can_append and floor > 0
         moved = usable - floor if append else usable
-        if not self.costs.pages_pay(moved * self.bytes_per_token, usable - floor, tier=deepest):
+        moved_bytes = moved * self.bytes_per_token
+        if not self.costs.pages_pay(moved_bytes, usable - floor, tier=deepest, storage=storage):
             skipped.append(deepest)
             return best
         pages: list[PageRef] = []
@@ -382,7 +387,7 @@ class Planner:
             seq_id=best.seq_id if append else None,
             handle=best.handle if append else b"",
             floor=floor,
-            expected_s=self.costs.restore_cost(moved * self.bytes_per_token, tier=deepest),
+            expected_s=self.costs.restore_cost(moved_bytes, tier=deepest, storage=storage),
             cold_s=self.costs.cold_cost(usable - floor),
             reason=f"{len(pages)} pages from {', '.join(dict.fromkeys(p.tier for p in pages))}",
         )

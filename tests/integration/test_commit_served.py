@@ -27,7 +27,9 @@ PROMPT = DOC + "\nQuestion: when did the ferry leave?\nAnswer:"
 class PagesNeverPay(CostModel):
     """A machine where every L2/L3 restore loses to a prefill (a fast GPU, a tiny model)."""
 
-    def pages_pay(self, moved_bytes: int, saved_tokens: int, *, tier: str) -> bool:
+    def pages_pay(
+        self, moved_bytes: int, saved_tokens: int, *, tier: str, storage: bool = False
+    ) -> bool:
         return False
 
 

@@ -56,3 +56,21 @@ def test_the_probe_feeds_the_cost_model() -> None:
     costs = CostModel()
     costs.observe_bus(rate.n_bytes, rate.seconds)
     assert costs.restore_cost(rate.n_bytes, tier="l2") == pytest.approx(rate.seconds)
+
+
+def test_the_probe_gives_the_host_rate_and_first_touch_for_a_first_restore() -> None:
+    """Issue 45: a process's first restore is planned with the host's copy rate and the cost
+    of committing fresh memory, both from the same probe (``CostModel.observe_host``)."""
+    from skippy_llama.state import KVLayout
+
+    rate = bus.bus_rate("CPU", kv_offloaded=False, pinned=False)
+    assert rate is not None and rate.method == "memcpy"
+    assert rate.host_seconds == rate.seconds and rate.first_touch_seconds >= 0
+    assert rate.to_json()["host_gb_per_s"] == round(rate.gb_per_s, 2)
+    costs = CostModel()
+    layout = KVLayout(v_trans=False, layers=())
+    assert bus.seed_costs(costs, layout, "CPU", kv_offloaded=False, pinned=False) is rate
+    assert costs.host_seconds_per_byte == pytest.approx(rate.seconds / rate.n_bytes)
+    assert costs.first_touch_seconds_per_byte == pytest.approx(
+        rate.first_touch_seconds / rate.n_bytes
+    )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 from fake_tiers import DictPages, DictStatus
 
 from skippy_llama.costs import AlwaysRestore, CostModel
@@ -221,6 +222,68 @@ def test_the_cost_model_refuses_restores_that_lose_to_a_prefill() -> None:
     assert slow.skipped == ("l3", "l1")
     forced = planner(resident, l3, costs=AlwaysRestore()).plan(Prompt(tokens, 298))
     assert (forced.tier, forced.n_tokens, forced.skipped) == ("l3", 256, ())
+
+
+def first_restore_costs() -> CostModel:
+    """A GPU-like machine whose load-time probe ran (``runtime/bus.py``) but which restored
+    nothing yet: prefill 10 ns a byte of K/V (10 µs a token), the bus 2 ns a byte, a host copy
+    3 ns, committing fresh host memory (page faults, pinning) 4 ns."""
+    costs = CostModel()
+    costs.observe_prefill(1000, 0.010)
+    costs.observe_bus(10**6, 0.002)
+    costs.observe_host(10**6, 0.003, 0.004)
+    return costs
+
+
+def test_a_first_restore_from_storage_is_planned_with_its_reads_and_first_touch() -> None:
+    """Issue 45: a process's first L3 restore must never be slower than cold. Planned at the
+    bus's rate alone (2 ns a byte against the prefill's 10) it would always go ahead; with the
+    two host passes of its reads (6 ns) and the first touch of the memory it lands in (4 ns)
+    it costs more than the prefill it spares, so the plan is cold."""
+    tokens = toks(300)
+    l3 = FakePages("l3").hold(tokens[:256])
+    costs = first_restore_costs()
+    assert costs.restore_rate("l3") is None  # nothing measured: the bus-seeded estimate
+    plan = planner(l3, costs=costs).plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.skipped) == ("cold", ("l3",))
+    moved = 256 * BYTES_PER_TOKEN
+    assert costs.restore_cost(moved, tier="l3", storage=True) == pytest.approx(moved * 12e-9)
+    assert costs.restore_cost(moved, tier="l3") == pytest.approx(moved * 6e-9)  # bus + touch
+
+
+def test_a_first_restore_from_host_ram_pays_no_reads() -> None:
+    """A tier in host RAM (L2's arena) adds no read passes: the bus and the first touch
+    (6 ns a byte) beat the prefill (10 ns), so its first restore goes ahead."""
+    tokens = toks(300)
+    l2 = FakePages("l2", takes_records=False, in_memory=True).hold(tokens[:256])
+    plan = planner(l2, costs=first_restore_costs()).plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.n_tokens) == ("l2", 256)
+    assert plan.expected_s == pytest.approx(256 * BYTES_PER_TOKEN * 6e-9)
+
+
+def test_first_touch_is_paid_once_per_process_up_to_the_largest_restore() -> None:
+    """After a restore of as many bytes (from any tier), the buffers are committed: a first
+    L3 restore is then planned at the bus and its reads alone (8 ns < 10 ns) and goes ahead;
+    a larger one still counts the first touch of what it adds."""
+    tokens = toks(300)
+    l3 = FakePages("l3").hold(tokens[:256])
+    costs = first_restore_costs()
+    moved = 256 * BYTES_PER_TOKEN
+    costs.observe_restore(moved, moved * 6e-9, tier="l2")
+    plan = planner(l3, costs=costs).plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.n_tokens) == ("l3", 256)
+    assert plan.expected_s == pytest.approx(moved * 8e-9)
+    assert costs.first_touch_cost(2 * moved) == pytest.approx(moved * 4e-9)
+
+
+def test_an_unprobed_first_restore_is_tried() -> None:
+    """Without a probe nothing is known of a restore: it is tried, which measures it."""
+    tokens = toks(300)
+    costs = CostModel()
+    costs.observe_prefill(1000, 0.010)
+    costs.observe_host(10**6, 0.003, 0.004)  # no bus rate: the host figures alone price nothing
+    plan = planner(FakePages("l3").hold(tokens[:256]), costs=costs).plan(Prompt(tokens, 298))
+    assert plan.tier == "l3" and plan.expected_s is None
 
 
 def test_a_cheap_checkpoint_restore_is_planned_with_its_estimates() -> None:
