@@ -90,6 +90,30 @@ class TierPages:
         with tier.arena_read([p.key for p in pages]) as held:
             yield held
 
+    def promoted_in_arena(self, pages: Sequence[PageRef]) -> bool:
+        """Whether the host arena that deeper tiers' pages are promoted into (L2's) holds
+        every page of ``pages`` by key, whatever tier the plan reads them from: a page read
+        from L3 and promoted while it is restored (no side effects)."""
+        tier = self._mirror()
+        return tier is not None and tier.in_arena([p.key for p in pages])
+
+    @contextlib.contextmanager
+    def promoted_read(
+        self, pages: Sequence[PageRef]
+    ) -> Iterator[tuple[HostArena, list[ArenaSlot]] | None]:
+        """As :meth:`arena_read`, from the arena of :meth:`promoted_in_arena`, for pages read
+        from a deeper tier (not counted as that arena's hits: they were read where the plan
+        says); None when there is no such arena."""
+        tier = self._mirror()
+        if tier is None:
+            yield None
+            return
+        with tier.arena_read([p.key for p in pages], count=False) as held:
+            yield held
+
+    def _mirror(self) -> RamTier | None:
+        return next((t for t in self.tiers if isinstance(t, RamTier) and t.arena is not None), None)
+
     def _arena_tier(self, pages: Sequence[PageRef]) -> RamTier | None:
         names = {page.tier for page in pages}
         if len(names) != 1:

@@ -13,7 +13,8 @@ it before dropping it.
 
 Registered memory stays resident (it cannot be swapped), so only the pool's kept buffers are
 registered (two at most: a pipelined restore's chunk buffers, or one of them and the largest
-capture or whole restore), never the L3 reader's per-thread buffers. Every failure (no CUDA
+capture or whole restore), L2's host arena and the two staging arenas a restore of L3 pages
+copies through (``runtime/arena_setup.py``), never the L3 reader's per-thread buffers. Every failure (no CUDA
 runtime, a refused registration) leaves the buffer pageable: pinning only ever changes how fast
 a copy is, never what is copied.
 """

@@ -12,13 +12,16 @@ Setter = Callable[[Any, str, Any], None]
 
 
 def gpu_like(set_attr: Setter = setattr) -> None:
-    """A GPU build's reuse granule (``n_ubatch``), record deferral, chunked restores and
-    roster-certified restore points on micro-batch boundaries, on any build."""
+    """A GPU build's reuse granule (``n_ubatch``), record deferral, chunked restores,
+    roster-certified restore points on micro-batch boundaries and page paths (L3 pages staged
+    into a host arena before their per-layer copies, as where the KV cache is on a device:
+    :func:`staged_page_copies`), on any build."""
     from skippy_llama.runtime import llama as runtime
     from skippy_llama.runtime import probes, restore_points
     from skippy_llama.runtime.working import WorkingSequence
 
     init = runtime.SkippyLlama.__init__
+    staged_page_copies(set_attr)
 
     def canonical_granule(seq: WorkingSequence) -> tuple[int, str | None]:
         return int(seq.llm.context_params.n_ubatch), None
@@ -33,3 +36,19 @@ def gpu_like(set_attr: Setter = setattr) -> None:
     # boundaries, after the aligned load-time check
     set_attr(restore_points, "splits_change_results", lambda flash: True)
     set_attr(runtime.SkippyLlama, "__init__", gpu_like_init)
+
+
+def staged_page_copies(set_attr: Setter = setattr) -> None:
+    """Every ``SkippyLlama`` sets up its page paths as where its KV cache is on a device
+    (``arena_setup.open_page_paths(on_device=True)``): pages read from L3 go through the
+    seam's staging arenas (pageable here: no device to pin them for) into the KV tensors."""
+    from skippy_llama.runtime import arena_setup
+    from skippy_llama.runtime import llama as runtime
+
+    real = arena_setup.open_page_paths
+
+    def on_device(*args: Any, **kwargs: Any) -> arena_setup.PagePaths:
+        kwargs["on_device"] = True
+        return real(*args, **kwargs)
+
+    set_attr(runtime, "open_page_paths", on_device)

@@ -6,11 +6,13 @@ an L2 tier, a pageable layout, a roster verdict that certifies ``layer_copy_exac
 model and backend, and a cache whose layers (as llama.cpp reports them) are the ones the state
 format describes. Anywhere else L2 keeps page bytes and restores by the stock state path.
 
-The same copies restore pages read from L3 straight from their bytes (``KVSeam.page_copies``,
-:func:`enable_page_copies`): that needs everything above but L2. The arena's memory is committed
-ahead of use by a background thread (:func:`prefault`), a context's worth of slots
-(:func:`prefault_slots`), so that the first promotion into slots never written before does not
-take its page faults on a request.
+The same copies restore pages read from L3 (``KVSeam.page_copies``, :func:`enable_page_copies`):
+that needs everything above but L2. On the CPU from each page's own bytes; where the cache is on
+a device through two small staging arenas (pinned on CUDA builds, :func:`open_staging`), or from
+L2's arena when the read promoted a page there. The arenas' memory is committed ahead of use (by
+the registration when pinned, else by a background thread, :func:`prefault`; for L2's arena a
+context's worth of slots, :func:`prefault_slots`), so that the first restore or promotion into
+slots never written before does not take its page faults on a request.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..roster import Verdict
 from ..state import KVLayout
 from ..tiers.arena import HostArena, slot_count
 from . import native_ext
-from .seam import KVSeam
+from .seam import DIRECT_CHUNK_BYTES, KVSeam
 
 log = logging.getLogger("skippy_llama")
 
@@ -68,19 +70,58 @@ def copy_refusal(ctx: Any, layout: KVLayout | None, verdict: Verdict) -> str | N
 
 
 def enable_page_copies(
-    ctx: Any, seam: KVSeam, layout: KVLayout | None, verdict: Verdict, *, on_device: bool = False
+    ctx: Any,
+    seam: KVSeam,
+    layout: KVLayout | None,
+    verdict: Verdict,
+    *,
+    on_device: bool = False,
+    page_tokens: int = 0,
+    pinner: Pinner | None = None,
 ) -> str | None:
-    """Turn on the seam's restores of fetched pages by per-layer copies from their own bytes
-    (no state blob); returns why not (None: on).
+    """Turn on the seam's restores of fetched pages by per-layer copies (no state blob);
+    returns why not (None: on).
 
-    Host-memory caches only for now (``on_device``: the KV cache is offloaded): on a GPU the
-    pages' bytes lie in pageable read buffers, and copies from there with V transposed are many
-    short rows; the pipelined blob import stays until ``bench_gpu.py`` has measured both."""
+    On the CPU each page's cells are copied from its own bytes. Where the cache is on a device
+    (``on_device``) a page's bytes lie in a pageable read buffer, and copies from there are
+    one short transfer per page, layer and K/V (V transposed: rows of one page's cells), each
+    staged by the driver; so the pages are first put into a staging arena of ``page_tokens``
+    cells a slot (:func:`open_staging`, pinned by ``pinner`` where it can) and a chunk goes
+    over the bus as L2's arena restores go. Until then (this was CPU-only) GPU builds took the
+    pipelined blob import, whose assembly and parse held an H100's 8k-token L3 restore to
+    2.2 GB/s (``benchmarks/results/gpu-h100-s45-arena-fa1.json``)."""
     refusal = copy_refusal(ctx, layout, verdict)
     if refusal is None and on_device:
-        refusal = "the KV cache is on a device (page copies measured on the CPU only)"
+        assert layout is not None
+        if page_tokens <= 0:
+            refusal = "no page size for the staging arena"
+        else:
+            seam.staging = open_staging(layout, page_tokens, pinner)
     seam.page_copies = refusal is None
     return refusal
+
+
+#: Bytes of pages each of the two staging arenas holds (a chunk of a direct restore,
+#: ``seam.DIRECT_CHUNK_BYTES``): one is copied to the device while the other is filled.
+STAGING_BYTES = DIRECT_CHUNK_BYTES
+
+
+def open_staging(
+    layout: KVLayout, page_tokens: int, pinner: Pinner | None
+) -> tuple[HostArena, HostArena]:
+    """Two staging arenas of ``STAGING_BYTES`` (at least one page each), page-locked by
+    ``pinner`` where it can (committed by the registration, a few ms at load), otherwise
+    committed by a background thread (:func:`prefault`): a process's first restore must not
+    pay their page faults."""
+    per = page_tokens * layout.kv_bytes_per_cell
+    n = max(1, STAGING_BYTES // per) if per > 0 else 1
+    arenas = (HostArena(layout, page_tokens, n), HostArena(layout, page_tokens, n))
+    for arena in arenas:
+        if pinner is not None and pinner.pin(arena.buffer):
+            arena.on_close = functools.partial(pinner.unpin, arena.buffer)
+        elif PREFAULT:
+            arena.prefault_thread = prefault(arena)
+    return arenas
 
 
 #: ``MADV_POPULATE_WRITE`` (Linux 5.14): commit pages writable without changing their bytes.
@@ -225,7 +266,15 @@ def open_page_paths(
     if layout is None:
         return PagePaths("no pages", "no pages")
     try:
-        copies = enable_page_copies(ctx, seam, layout, verdict, on_device=on_device)
+        copies = enable_page_copies(
+            ctx,
+            seam,
+            layout,
+            verdict,
+            on_device=on_device,
+            page_tokens=cache.page_tokens,
+            pinner=pinner,
+        )
     except Exception as exc:  # fail-open: pages are assembled
         copies = f"{type(exc).__name__}: {exc}"
         seam.page_copies = False

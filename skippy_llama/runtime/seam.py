@@ -11,7 +11,11 @@ certifies them and the arena is attached). Pages read from L3 (or held by L2 as 
 same way where ``page_copies`` is on: each fetched page's K and V are copied from its own bytes
 straight into the KV tensors (a page's layout is the arena's with the page's cells as the
 capacity), so no state blob is assembled or parsed, and the next chunk is read and its digests
-checked while the previous one is copied. Executing a plan never raises.
+checked while the previous one is copied. Where the cache lives on a device, the read-ahead
+thread first puts each chunk's pages into a small (pinned) staging arena (``staging``), or
+finds them already in L2's arena when the read promoted them there, so a chunk goes over the
+bus as one copy per layer and K/V, the path L2's arena restores take (issue 45 item 3).
+Executing a plan never raises.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -138,10 +142,14 @@ def _cut_to_read(
 class _Fetched:
     """One chunk of a direct restore as the read-ahead thread left it: the pages read (a short
     read ends the restore with them) and their parsed views (into the reading thread's buffer,
-    valid until that thread's next read)."""
+    valid until that thread's next read). With a staging arena (``stage``), ``staged`` gives
+    per page its slot there, or None for a page to copy from L2's arena (the read promoted it
+    there) or, where that no longer holds it, from its own bytes."""
 
     got: list[FetchedPage]
     pages: list[Page]
+    stage: HostArena | None = None
+    staged: list[ArenaSlot | None] = field(default_factory=list)
 
 
 @dataclass
@@ -194,6 +202,13 @@ class KVSeam:
         #: certifies ``layer_copy_exact`` and the cache's layers match the state format, with
         #: or without L2 (``runtime/arena_setup.py``). Off: pages are assembled into a blob.
         self.page_copies = False
+        #: With ``page_copies`` on a device (``runtime/arena_setup.open_staging``): two host
+        #: arenas of a chunk's pages each (page-locked where buffers are pinned), one per
+        #: read-ahead thread of :meth:`_direct`, into which each fetched page is copied before
+        #: its chunk goes to the KV tensors as one copy per layer and K/V per run of slots
+        #: (from a page's own pageable bytes it would be one short copy per page, layer and
+        #: K/V, V transposed in rows of one page's cells). None: copied from the pages' bytes.
+        self.staging: tuple[HostArena, HostArena] | None = None
         #: reads a pipelined restore's next chunk of pages (one per seam: a thread's L3 read
         #: buffer is reused by its next read, so two restores must not share the thread)
         self._ahead: ThreadPoolExecutor | None = None
@@ -210,6 +225,10 @@ class KVSeam:
             for pool in self._direct_ahead:
                 pool.shutdown(wait=True)
             self._direct_ahead = None
+        if self.staging is not None:
+            for arena in self.staging:
+                arena.close()  # unpinned first (its on_close)
+            self.staging = None
         self.buffers.clear()
 
     # -- the working sequence ---------------------------------------------------------------
@@ -431,7 +450,8 @@ class KVSeam:
         read: the restore ends where the pages end, or a shallower plan runs). A copy or parse
         that fails clears what this restore added and returns None: the caller restores the
         plan by the stock state path instead."""
-        steps = self._direct_steps(plan, groups, layout)
+        stage_slots = min(a.n_slots for a in self.staging) if self.staging is not None else 0
+        steps = self._direct_steps(plan, groups, layout, stage_slots)
         if self._direct_ahead is None:
             self._direct_ahead = (
                 ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-a"),
@@ -447,7 +467,10 @@ class KVSeam:
                 return None
             turn ^= 1
             refs = plan.pages[steps[j][1] : steps[j][2]]
-            return pools[turn].submit(self._read_pages, refs, source, plan.n_tokens)
+            # each thread stages into its own arena: the one a chunk was staged in is written
+            # again only by that thread's next read, submitted after the chunk was copied
+            stage = self.staging[turn] if self.staging is not None else None
+            return pools[turn].submit(self._read_pages, refs, source, plan.n_tokens, stage)
 
         base = plan.base_tokens
         pos = base  # the next position to restore
@@ -479,7 +502,7 @@ class KVSeam:
                         if read is not None:
                             arena, slots = read
                             if slots:
-                                self._copy_slots(plan, arena, slots, i0)
+                                self._copy_slots(plan, arena, slots, i0, pos)
                             n_got = len(slots)
                     fetched += [FetchedPage(r.tier, r.key, b"") for r in refs[:n_got]]
                     pending = nxt
@@ -491,7 +514,7 @@ class KVSeam:
                     if n_got == len(refs):
                         pending = read_ahead(j + 1)
                     if n_got:
-                        pos = self._copy_pages(plan, chunk.pages, i0, pos, layout)
+                        pos = self._copy_fetched(plan, chunk, i0, pos, layout, source)
                     fetched += chunk.got
                 done = i0 + n_got
                 pos = plan.n_tokens - sum(page.used for page in plan.pages[done:])
@@ -525,12 +548,16 @@ class KVSeam:
 
     @staticmethod
     def _direct_steps(
-        plan: RestorePlan, groups: list[tuple[bool, int, int]], layout: KVLayout
+        plan: RestorePlan,
+        groups: list[tuple[bool, int, int]],
+        layout: KVLayout,
+        stage_slots: int = 0,
     ) -> list[tuple[bool, int, int]]:
         """``groups`` (all pages outside an arena when empty) with each run outside the arena
-        cut into chunks of about ``DIRECT_CHUNK_BYTES``: (in arena, first, end) page indices."""
+        cut into chunks of about ``DIRECT_CHUNK_BYTES`` (of ``stage_slots`` pages where they
+        are staged): (in arena, first, end) page indices."""
         per_page = max(1, max(page.used for page in plan.pages)) * layout.kv_bytes_per_cell
-        step = max(1, DIRECT_CHUNK_BYTES // per_page)
+        step = stage_slots if stage_slots > 0 else max(1, DIRECT_CHUNK_BYTES // per_page)
         out: list[tuple[bool, int, int]] = []
         for held, i0, i1 in groups or [(False, 0, len(plan.pages))]:
             if held:
@@ -540,21 +567,93 @@ class KVSeam:
         return out
 
     @staticmethod
-    def _read_pages(refs: tuple[PageRef, ...], source: PageSource, prefix_tokens: int) -> _Fetched:
+    def _read_pages(
+        refs: tuple[PageRef, ...],
+        source: PageSource,
+        prefix_tokens: int,
+        stage: HostArena | None = None,
+    ) -> _Fetched:
         """A read-ahead thread's stage of :meth:`_direct`: ``refs`` fetched (verified), parsed,
         and offered to the shallower tiers (L2's arena copies them there) before this thread's
-        next read reuses its buffer. A page that does not parse ends the chunk there."""
+        next read reuses its buffer; then, with a staging arena, each page that L2's arena did
+        not take is copied into slot i of ``stage`` (a page already in the arena is not copied
+        twice). A page that does not parse ends the chunk there."""
         got = source.fetch(refs)
         pages: list[Page] = []
-        for page in got:
+        for fetched in got:
             try:
-                pages.append(page_from_bytes(page.payload))
+                pages.append(page_from_bytes(fetched.payload))
             except StateFormatError:
                 break
         got = got[: len(pages)]
         if got:
             source.promote(got, prefix_tokens)
-        return _Fetched(got, pages)
+        if stage is None:
+            return _Fetched(got, pages)
+        promoted = getattr(source, "promoted_in_arena", None)
+        staged: list[ArenaSlot | None] = []
+        for i, (ref, parsed) in enumerate(zip(refs, pages, strict=False)):
+            if promoted is not None and promoted((ref,)):
+                staged.append(None)  # promoted: copied from L2's arena
+            elif i < stage.n_slots and stage.fits(parsed):
+                staged.append(stage.write(i, parsed))
+            else:
+                staged.append(None)  # copied from its own bytes
+        return _Fetched(got, pages, stage, staged)
+
+    def _copy_fetched(
+        self,
+        plan: RestorePlan,
+        chunk: _Fetched,
+        first: int,
+        pos: int,
+        layout: KVLayout,
+        source: PageSource,
+    ) -> int:
+        """Append the cells of a fetched chunk (pages ``first ..`` of ``plan``), continuing
+        the sequence at position ``pos``; returns the next position. Staged pages go from the
+        staging arena, pages the read promoted from L2's arena (locked and verified as an L2
+        restore is), the others (or ones L2 dropped meanwhile) from their own bytes."""
+        if chunk.stage is None:
+            return self._copy_pages(plan, chunk.pages, first, pos, layout)
+        n = len(chunk.pages)
+        i = 0
+        while i < n:
+            staged = chunk.staged[i] is not None
+            j = i + 1
+            while j < n and (chunk.staged[j] is not None) == staged:
+                j += 1
+            if staged:
+                slots = [slot for slot in chunk.staged[i:j] if slot is not None]
+                pos = self._copy_slots(plan, chunk.stage, slots, first + i, pos)
+            else:
+                pos = self._copy_promoted(plan, chunk.pages[i:j], first + i, pos, layout, source)
+            i = j
+        return pos
+
+    def _copy_promoted(
+        self,
+        plan: RestorePlan,
+        pages: list[Page],
+        first: int,
+        pos: int,
+        layout: KVLayout,
+        source: PageSource,
+    ) -> int:
+        """Append pages ``first ..`` of ``plan`` from L2's arena, as far as it still holds
+        them, and the rest from their own bytes (``pages``); returns the next position."""
+        refs = plan.pages[first : first + len(pages)]
+        promoted_read = getattr(source, "promoted_read", None)
+        held = 0
+        if promoted_read is not None:
+            with promoted_read(refs) as read:
+                if read is not None and read[1]:
+                    arena, slots = read
+                    pos = self._copy_slots(plan, arena, slots, first, pos)
+                    held = len(slots)
+        if held < len(pages):
+            pos = self._copy_pages(plan, pages[held:], first + held, pos, layout)
+        return pos
 
     def _copy_pages(
         self, plan: RestorePlan, pages: list[Page], first: int, pos: int, layout: KVLayout
@@ -580,19 +679,25 @@ class KVSeam:
         return pos
 
     def _copy_slots(
-        self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], first: int
-    ) -> None:
-        """Append the cells of pages ``first ..`` of ``plan``, held in ``slots``, from the arena."""
-        base = plan.base_tokens if first == 0 else 0
+        self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], first: int, pos: int
+    ) -> int:
+        """Append the cells of pages ``first ..`` of ``plan``, held in ``slots`` of ``arena``
+        (L2's or a staging one), continuing the sequence at position ``pos`` (cells below it,
+        an append plan's L1 prefix, are not copied); returns the next position."""
         parts: list[tuple[ArenaSlot, int, int]] = []
+        end = pos
         for ref, slot in zip(plan.pages[first : first + len(slots)], slots, strict=True):
-            lo, end = max(slot.start, base), slot.start + ref.used
+            lo, end = max(slot.start, end), slot.start + ref.used
             if lo < end:
                 parts.append((slot, lo, end))
         if not parts:
             raise StateFormatError("the arena's pages hold none of the planned cells")
-        if not native_ext.cells_set(self.ctx, WORKING_SEQ, parts[0][1], arena_spans(arena, parts)):
+        if parts[0][1] != pos:
+            raise StateFormatError(f"the arena's pages do not continue position {pos}")
+        # arena_spans checks that the parts are consecutive positions
+        if not native_ext.cells_set(self.ctx, WORKING_SEQ, pos, arena_spans(arena, parts)):
             raise TierError("skippy_kv_cells_set refused the arena's cells")
+        return parts[-1][2]
 
     def _import_arena(
         self, plan: RestorePlan, arena: HostArena, slots: list[ArenaSlot], append: bool

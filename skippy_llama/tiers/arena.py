@@ -159,7 +159,14 @@ class HostArena:
         fit (:meth:`fits`)."""
         if not self._free or not self.fits(page):
             return None
-        index = self._take(after)
+        return self.write(self._take(after), page)
+
+    def write(self, index: int, page: Page) -> ArenaSlot:
+        """Copy ``page`` (which :meth:`fits`) into slot ``index`` as it is, whatever the slot
+        held: the free list is the caller's (:meth:`put` takes a free slot first; a restore's
+        staging arena, ``runtime/seam.py``, reuses its slots chunk after chunk)."""
+        if not 0 <= index < self.n_slots:
+            raise ValueError(f"slot {index} of an arena of {self.n_slots}")
         c0, n = index * self.page_tokens, page.n_tokens
         for il, layer in enumerate(self.layout.layers):
             self.k[il][c0 : c0 + n] = page.k[il]

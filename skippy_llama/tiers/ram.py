@@ -270,9 +270,12 @@ class RamTier:
         return bool(keys) and all(h is not None and isinstance(h[0], ArenaSlot) for h in held)
 
     @contextlib.contextmanager
-    def arena_read(self, keys: Sequence[bytes]) -> Iterator[tuple[HostArena, list[ArenaSlot]]]:
+    def arena_read(
+        self, keys: Sequence[bytes], *, count: bool = True
+    ) -> Iterator[tuple[HostArena, list[ArenaSlot]]]:
         """The arena and the slots of the longest prefix of ``keys`` held there whose L3 digest
-        still matches (counted as hits, as :meth:`get` counts them), for a restore to copy from.
+        still matches (counted as hits, as :meth:`get` counts them, unless ``count`` is off:
+        pages a restore read from L3 and promoted meanwhile), for a restore to copy from.
 
         L2 stays locked until the block ends, so no fill or eviction rewrites a slot while
         the restore copies it: the block must not call back into this tier.
@@ -286,12 +289,18 @@ class RamTier:
             for key, l3_digest in zip(keys, digests, strict=True):
                 entry = self._pages.get(key)
                 if entry is None or not isinstance(entry[0], ArenaSlot):
-                    self._counts["misses"] += 1
+                    if count:
+                        self._counts["misses"] += 1
                     break
-                if not self._hit(key, entry[1], l3_digest):
+                if not count:
+                    if l3_digest is None or entry[1] != l3_digest:
+                        break  # a copy L3 would not serve (its next get drops it)
+                    self._pages.move_to_end(key)
+                elif not self._hit(key, entry[1], l3_digest):
                     break
                 slots.append(entry[0])
-            self._counts["arena_hits"] += len(slots)
+            if count:
+                self._counts["arena_hits"] += len(slots)
             yield arena, slots
 
     def prefetch_fill(

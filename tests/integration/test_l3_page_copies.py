@@ -2,9 +2,13 @@
 
 Where the roster certifies ``layer_copy_exact`` (patch 0006), a restore of pages read from L3
 copies each page's K and V straight into the KV tensors (``KVSeam._direct``): no state blob is
-assembled and none is parsed. A new process on the same directory (a restart) must get logits
-bit-identical to a one-shot cold prefill, with flash attention off (V transposed, the library's
-default) and on; a refused copy falls back to the stock state path, exactly.
+assembled and none is parsed. Where the KV cache is on a device the pages go through the seam's
+staging arenas first (pinned on CUDA builds), or come from L2's arena when the read promoted them
+there, and each chunk is one copy per layer and K/V; ``staged`` runs that path on the CPU (as
+``SKIPPY_TEST_GPU_LIKE=1`` does for every test). A new process on the same directory (a restart)
+must get logits bit-identical to a one-shot cold prefill, with flash attention off (V
+transposed, the library's default) and on; a refused copy falls back to the stock state path,
+exactly.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import runtime_patches
 from modelhelpers import Logits, prefill_logits, serve, serve_until, text_tokens, tiered_llama
 
 from skippy_llama.runtime import native_ext
@@ -55,15 +60,29 @@ def _count(monkeypatch: pytest.MonkeyPatch, llm: SkippyLlama, name: str) -> list
     return calls
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["bytes", "staged"])
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa_off", "fa_on"])
 def test_a_restart_restores_l3_pages_by_copies_exactly(
-    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flash_attn: bool
+    smollm2_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flash_attn: bool,
+    staged: bool,
 ) -> None:
+    if staged:
+        runtime_patches.staged_page_copies(monkeypatch.setattr)
     prompt, cold, llm = _restarted(smollm2_path, tmp_path, flash_attn)
     try:
         copies = llm.native_verdict.layer_copy
         assert (llm.page_copy_refusal is None) == copies, llm.page_copy_refusal
-        copied = _count(monkeypatch, llm, "_copy_pages")
+        stage = llm.seam.staging
+        if staged and copies:
+            assert stage is not None
+        staging_bytes = llm.cache_status()["staging_bytes"]
+        assert (staging_bytes > 0) == (stage is not None)
+        copied = _count(monkeypatch, llm, "_copy_fetched")
+        from_slots = _count(monkeypatch, llm, "_copy_slots")
+        from_bytes = _count(monkeypatch, llm, "_copy_pages")
         assembled = _count(monkeypatch, llm, "_assemble")
         event, exact = serve(llm, prompt, cold)
     finally:
@@ -73,20 +92,32 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
     assert exact
     if copies:
         assert copied[0] > 0 and assembled[0] == 0
+        if stage is not None:
+            # every page went through the staging arenas: none from its pageable bytes
+            assert from_slots[0] > 0 and from_bytes[0] == 0
+        else:
+            assert from_bytes[0] > 0
     else:
         assert copied[0] == 0 and assembled[0] > 0
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("staged", [False, True], ids=["bytes", "staged"])
 def test_l3_pages_restored_by_copies_are_promoted_into_the_arena(
-    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
 ) -> None:
+    if staged:
+        runtime_patches.staged_page_copies(monkeypatch.setattr)
     prompt, cold, llm = _restarted(smollm2_path, tmp_path, False, l2_budget="64MiB")
     try:
         if llm.arena_refusal is not None:
             pytest.skip(f"no arena on this build: {llm.arena_refusal}")
         ram = llm.prefix_cache.ram
         assert ram is not None and ram.arena is not None
+        # staged: the second L3 restore (the pages' second fill) promotes them into L2's
+        # arena as it reads them, and copies them from there, not from the staging arena
+        promoted = _count(monkeypatch, llm, "_copy_promoted")
+        page_copies = llm.page_copy_refusal is None
         # L3 serves (by copies) until its second fill promotes the pages into the arena
         events, exact = serve_until(llm, prompt, cold, "l2", times=1, tries=4)
         status = ram.status()
@@ -97,6 +128,8 @@ def test_l3_pages_restored_by_copies_are_promoted_into_the_arena(
     assert all(event.fallbacks == [] for event in events), [e.fallbacks for e in events]
     assert all(exact), exact
     assert status.arena_hits > 0 and status.arena_bytes > 0
+    if staged and page_copies:
+        assert promoted[0] > 0
 
 
 @pytest.mark.slow

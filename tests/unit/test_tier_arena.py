@@ -268,3 +268,97 @@ def test_page_spans_point_at_the_pages_own_cells(spec: Spec) -> None:
     assert page.to_bytes() == whole
     with pytest.raises(StateFormatError):
         page_span(page, 7, 12)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_write_puts_a_page_in_a_given_slot_whatever_it_held(spec: Spec) -> None:
+    """A restore's staging arena (``runtime/seam.py``) writes each chunk's pages into slots
+    0, 1 ... again and again, outside the free list: consecutive slots, so a chunk is one run."""
+    pages = pages_of(spec, 20)
+    arena = HostArena(pages[0].layout, PAGE, 2)
+    first = [arena.write(i, page) for i, page in enumerate(pages[:2])]
+    assert [arena.page(s).to_bytes() for s in first] == [p.to_bytes() for p in pages[:2]]
+    again = arena.write(0, pages[2])  # the 4-token tail over page 0
+    assert (again.index, again.start, again.n_tokens) == (0, 16, 4)
+    assert arena.page(again).to_bytes() == pages[2].to_bytes()
+    assert arena.free_slots == 2  # the free list is the caller's
+    parts = [(s, s.start, s.end) for s in first]
+    assert arena.runs(parts) == [ArenaRun(0, 2 * PAGE)]
+    with pytest.raises(ValueError):
+        arena.write(2, pages[0])
+    arena.close()
+
+
+def test_staging_arenas_hold_a_chunk_each_and_close_unpinned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``arena_setup.open_staging``: two arenas of ``STAGING_BYTES`` (at least a page), pinned
+    by the pinner where it can, unpinned when closed."""
+    from skippy_llama.runtime import arena_setup
+
+    layout = pages_of(SPECS[1], 8)[0].layout
+
+    class Pins:
+        def __init__(self) -> None:
+            self.pinned: list[int] = []
+
+        def pin(self, buf: object) -> bool:
+            self.pinned.append(id(buf))
+            return True
+
+        def unpin(self, buf: object) -> None:
+            self.pinned.remove(id(buf))
+
+        def stats(self) -> dict[str, int | bool]:
+            return {}
+
+    pins = Pins()
+    a, b = arena_setup.open_staging(layout, PAGE, pins)
+    per = PAGE * layout.kv_bytes_per_cell
+    assert a.n_slots == b.n_slots == max(1, arena_setup.STAGING_BYTES // per)
+    assert len(pins.pinned) == 2 and a.prefault_thread is None
+    a.close()
+    b.close()
+    assert pins.pinned == []
+    monkeypatch.setattr(arena_setup, "STAGING_BYTES", 1)  # a page larger than a chunk
+    c, d = arena_setup.open_staging(layout, PAGE, None)
+    assert c.n_slots == 1
+    for arena in (c, d):
+        if arena.prefault_thread is not None:
+            arena.prefault_thread.join()
+        arena.close()
+
+
+def test_a_promoted_read_finds_pages_read_from_l3_in_l2s_arena_without_counting_hits() -> None:
+    """A direct restore that promoted the pages it read from L3 copies them from L2's arena
+    (``TierPages.promoted_read``): by key, whatever tier the plan names, checked against
+    L3's digest, and not counted as L2 hits (the plan read them from L3)."""
+    from skippy_llama.page_source import TierPages
+    from skippy_llama.plan import PageRef
+
+    pages = pages_of(SPECS[1], 24)
+    arena = HostArena(pages[0].layout, PAGE, 3)
+    source = Digests()
+    ram = RamTier(3 * arena.slot_bytes, source=source)
+    ram.attach_arena(arena)
+    tiers = TierPages([ram])
+    refs = [PageRef("l3", key(i), PAGE) for i in range(3)]
+    assert not tiers.promoted_in_arena(refs[:1])
+    for i, page in enumerate(pages[:2]):
+        assert ram.fill(key(i), page.to_bytes(), b"\x01", prefix_tokens=1 << 20)
+    assert tiers.promoted_in_arena(refs[:2]) and not tiers.promoted_in_arena(refs)
+    assert not tiers.in_arena(refs[:2])  # the plan's tier (l3) has no arena
+    with tiers.promoted_read(refs) as held:
+        assert held is not None
+        got, slots = held
+        assert got is arena and len(slots) == 2
+        assert [arena.page(s).to_bytes() for s in slots] == [p.to_bytes() for p in pages[:2]]
+    source.gone.add(key(0))
+    with tiers.promoted_read(refs) as held:
+        assert held is not None and held[1] == []
+    status = ram.status()
+    assert status.arena_hits == 0 and status.hits == 0 and status.misses == 0
+    ram.close()
+    assert not TierPages([]).promoted_in_arena(refs)
+    with TierPages([]).promoted_read(refs) as none:
+        assert none is None
