@@ -7,8 +7,10 @@ Runs on any build (CPU too, slowly); meant for the lent H200 with the 1.1B F16 m
 - L1: the prefix checkpointed in the live context, restored, then the 64-token suffix;
 - L3: a second model object reading the pages the first recorded (page cache warm), twice:
   the first restore of a fresh process (reported), then one with its buffers reused (``runs``);
-  ``l3`` chunked (``SkippyLlama.pipeline_restores``, where the append import is certified),
-  ``l3_one_import`` the same restore read whole and imported whole;
+  ``l3`` as the runtime does by default (pages copied per layer where the roster certifies
+  ``layer_copy_exact``: through the staging arenas on a device, from their bytes on the CPU;
+  else chunked blob imports), ``l3_one_import`` the same pages assembled into one blob and
+  imported whole (the path before issue 45);
 - L2: a third object with L1 off, its later requests served from the RAM mirror: ``l2`` as
   the runtime does by default (from the host arena by per-layer copies where the roster
   certifies ``layer_copy_exact``, patch 0006; ``arena`` says whether it did), ``l2_blob`` with
@@ -27,6 +29,15 @@ on GPU builds the cells since the last ``n_ubatch`` boundary: ``prefilled_over_p
 whether replies agree. Each restore run also says where its time went (``phases_ms``).
 ``--oneshot 2048`` adds the overhead where nothing can be reused (8 unrelated prompts).
 
+Every restore is printed and recorded as GB/s (``restore_gbps``) beside the bus's rate measured
+in the same run by the runtime's load-time probe (``bus_gbps``, ``of_bus``; the probe's method
+and rates are the report's ``bus``, ``skippy_llama/runtime/bus.py``), with the planner's
+decision (``planned``: the tier, its expected and the cold estimate). ``l3_first_process`` is
+the first L3 restore of a fresh process (a subprocess on a copy of the store, its kernels
+warmed by one unrelated prompt): issue 45 wants it never slower than cold. On GPU builds the
+L3 arms restore through the staging arenas (``KVSeam.staging``) where the roster certifies
+``layer_copy_exact``; ``--staged`` takes that path on the CPU too (to prove it there).
+
     python benchmarks/bench_gpu.py MODEL.gguf --sizes 2048 8192 32000 --chat 8192 \
         --oneshot 2048 --out benchmarks/results/gpu.json
 """
@@ -36,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +65,7 @@ from skippy_llama.runtime.llama import SkippyLlama
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from restore_common import (
+    gbps,
     last_logits,
     report_head,
     spread,
@@ -68,6 +81,62 @@ SUFFIX = 64
 L2_BUDGET = "4GiB"
 
 
+def _bus(llm: SkippyLlama) -> dict[str, Any] | None:
+    """The runtime's load-time bus probe as this model got it (kept per process)."""
+    return llm.bus.to_json() if llm.bus is not None else None
+
+
+def _record_plans(llm: SkippyLlama) -> list[Any]:
+    """Keep every plan ``llm``'s cache hands the runtime (an instance attribute wraps it)."""
+    plans: list[Any] = []
+    cache = llm.prefix_cache
+    original = cache.plan
+
+    def plan(*args: Any, **kwargs: Any) -> Any:
+        made = original(*args, **kwargs)
+        plans.append(made)
+        return made
+
+    cache.plan = plan  # type: ignore[method-assign]
+    return plans
+
+
+def _planned(plans: list[Any]) -> dict[str, Any] | None:
+    """The request's first plan (a fallback plans again): what the planner chose and why."""
+    if not plans:
+        return None
+    plan = plans[0]
+
+    def ms(seconds: float | None) -> float | None:
+        return round(seconds * 1e3, 2) if seconds is not None else None
+
+    return {
+        "tier": plan.tier,
+        "n_tokens": plan.n_tokens,
+        "expected_ms": ms(plan.expected_s),
+        "cold_ms": ms(plan.cold_s),
+        "skipped": list(plan.skipped),
+    }
+
+
+def _beside_bus(run: dict[str, Any], bus_gbps: float | None) -> None:
+    """Put the bus's rate of the same run beside a restore's, and their ratio."""
+    rate = run.get("restore_gbps")
+    run["bus_gbps"] = bus_gbps
+    run["of_bus"] = round(rate / bus_gbps, 4) if rate and bus_gbps else None
+
+
+def _print_restore(n: int, tier: str, i: int, run: dict[str, Any]) -> None:
+    """One restore as a line: its GB/s beside the bus's, and against the cold prefill."""
+    print(
+        f"restore n={n} {tier}[{i}]: tier={run['tier']} cached={run['cached']} "
+        f"restore={run['restore_ms']} ms {run['restore_gbps']} GB/s "
+        f"(bus {run['bus_gbps']} GB/s, of_bus {run['of_bus']}) "
+        f"warm/cold={run['warm_over_cold']} planned={run['planned']}",
+        flush=True,
+    )
+
+
 def _settings(store: Path, *, l1: bool = True, l2: str | None = None) -> Settings:
     return Settings(
         l1={"enabled": l1},
@@ -77,7 +146,7 @@ def _settings(store: Path, *, l1: bool = True, l2: str | None = None) -> Setting
 
 
 def bench_size(
-    model: str, n: int, common: dict[str, Any], rng: np.random.Generator
+    model: str, n: int, common: dict[str, Any], rng: np.random.Generator, staged: bool = False
 ) -> dict[str, Any]:
     plain = llama_cpp.Llama(model, **common)
     vocab = plain.n_vocab()
@@ -91,6 +160,8 @@ def bench_size(
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         recorder = SkippyLlama(model, cache_settings=_settings(store, l1=False), **common)
+        row["bus"] = bus = _bus(recorder)
+        bus_gbps = bus["gb_per_s"] if bus else None
         record_s: list[float] = []
         original = recorder.recorder.after_request
 
@@ -136,12 +207,20 @@ def bench_size(
         # the store as the recorder left it, so both restore the same prefix
         twin = Path(tmp) / "twin"
         shutil.copytree(store, twin)
+        # the first restore of a fresh process reads its own copy too (written now: in the
+        # page cache, as the others are)
+        first = Path(tmp) / "first"
+        shutil.copytree(store, first)
         for tier, kwargs in tiers:
             where = twin if tier == "l3_one_import" else store
             llm = SkippyLlama(model, cache_settings=_settings(where, **kwargs), **common)
             # l3: chunked (GPU builds' default; forced here on any build); l3_one_import: the
             # same restore read whole, then imported whole
             llm.pipeline_restores = tier != "l3_one_import"
+            if tier in ("l3_one_import", "l2_blob", "l2_chunked"):
+                # the paths before issue 45: pages assembled into a state blob and imported
+                # (no per-layer copies from page bytes or staging arenas)
+                llm.seam.page_copies = False
             # l2: one blob (the default); l2_chunked: in chunks like a restore that reads L3
             llm.seam.chunk_ram_restores = tier == "l2_chunked"
             ram = llm.prefix_cache.ram
@@ -154,16 +233,88 @@ def bench_size(
             # tokens): its last runs read it, the last one reported (buffers settled)
             runs = []
             phases = timed_phases(llm)
-            for _ in range(2 if tier.startswith("l3") else 4):
-                runs.append(timed_request(llm, query, cold, cold_s, phases)[0])
+            plans = _record_plans(llm)
+            for i in range(2 if tier.startswith("l3") else 4):
+                plans.clear()
+                run = timed_request(llm, query, cold, cold_s, phases)[0]
+                _beside_bus(run, bus_gbps)
+                run["planned"] = _planned(plans)
+                runs.append(run)
+                _print_restore(n, tier, i, run)
             row[tier] = {**runs[0 if tier.startswith("l3") else -1], "runs": runs}
             row[tier]["pinned"] = llm.cache_status()["pinned_host_buffers"]
+            if tier.startswith("l3"):
+                # where L3's pages went: per-layer copies (through the staging arenas on a
+                # device) or an assembled blob, and why not copies
+                row[tier]["page_copies"] = llm.seam.page_copies
+                row[tier]["staged"] = llm.seam.staging is not None
+                row[tier]["page_copy_refusal"] = llm.page_copy_refusal
             if tier.startswith("l2"):
                 row[tier]["arena"] = llm.seam.layer_copies
                 row[tier]["arena_refusal"] = llm.arena_refusal
                 row[tier]["arena_pinned"] = ram.arena_pinned if ram is not None else False
             llm.close()
+        fresh = _first_process(model, first, query, common, staged)
+        if fresh is not None:
+            fresh["warm_over_cold"] = round(fresh.pop("seconds") / cold_s, 4)
+            fresh["max_abs_dlogit"] = float(np.abs(np.array(fresh.pop("logits")) - cold).max())
+            _beside_bus(fresh, (fresh["bus"] or {}).get("gb_per_s"))
+            _print_restore(n, "l3_first_process", 0, fresh)
+        row["l3_first_process"] = fresh
     return row
+
+
+def _first_process(
+    model: str, store: Path, query: list[int], common: dict[str, Any], staged: bool
+) -> dict[str, Any] | None:
+    """The first L3 restore of a fresh process (``--first-restore``), run in a subprocess on
+    ``store``; None when it failed (its output is printed)."""
+    spec = store.parent / "first.json"
+    spec.write_text(json.dumps({"store": str(store), "query": query, "common": common}))
+    cmd = [sys.executable, __file__, model, "--first-restore", str(spec)]
+    if staged:
+        cmd.append("--staged")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(done.stdout[-4000:], done.stderr[-4000:], flush=True)
+        return None
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
+
+
+def first_restore(model: str, spec_path: Path) -> dict[str, Any]:
+    """In a fresh process: load SkippyLlama on the spec's store (L1 off), warm the kernels with
+    one unrelated prompt (its record made at once, off the timed request), then time the
+    query, whose prefix L3 holds: the process's first L3 restore, as the planner chose it."""
+    spec = json.loads(spec_path.read_text())
+    common = spec["common"]
+    query = spec["query"]
+    llm = SkippyLlama(model, cache_settings=_settings(Path(spec["store"]), l1=False), **common)
+    try:
+        rng = np.random.default_rng(99)
+        warm = [int(t) for t in rng.integers(100, llm.n_vocab() - 100, 256)]
+        timed_eval(llm, warm)
+        llm.recorder.flush()
+        plans = _record_plans(llm)
+        phases = timed_phases(llm)
+        seconds = timed_eval(llm, query)
+        event = llm.last_cache_event
+        return {
+            "seconds": seconds,
+            "cached": event.cached_tokens if event else 0,
+            "tier": event.tier if event else None,
+            "restore_ms": round(event.restore_ms, 2) if event else None,
+            "restore_gbps": gbps(event),
+            "planned": _planned(plans),
+            "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()},
+            "bus": _bus(llm),
+            "page_copies": llm.seam.page_copies,
+            "staged": llm.seam.staging is not None,
+            "logits": last_logits(llm).tolist(),
+        }
+    finally:
+        llm.close()
 
 
 #: SkippyLlama steps timed in the chat (inclusive wall time, summed over the chat): where its
@@ -418,8 +569,25 @@ def main() -> None:
         default=None,
         help="state per chunk of a pipelined restore (default: the runtime's PIPELINE_BYTES, 64)",
     )
+    parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="set up every SkippyLlama's page paths as where the KV cache is on a device (L3 "
+        "pages through the staging arenas), also on the CPU: proves that path there",
+    )
+    parser.add_argument(
+        "--first-restore",
+        type=Path,
+        default=None,
+        help=argparse.SUPPRESS,  # internal: the l3_first_process subprocess
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.staged:
+        _force_staging()
+    if args.first_restore is not None:
+        print(json.dumps(first_restore(args.model, args.first_restore)), flush=True)
+        return
     if args.chunk_mib:
         seam.PIPELINE_BYTES = args.chunk_mib << 20
     if args.buffers == "bytearray":
@@ -445,7 +613,8 @@ def main() -> None:
         "sizes": [],
     }
     for n in args.sizes:
-        row = bench_size(args.model, n, common, rng)
+        row = bench_size(args.model, n, common, rng, args.staged)
+        report["bus"] = report.get("bus") or row.get("bus")
         print(json.dumps(row), flush=True)
         report["sizes"].append(row)
     names = args.chat_modes.split(",")
@@ -468,6 +637,20 @@ def main() -> None:
         report["oneshot"].append(row)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _force_staging() -> None:
+    """``--staged``: every SkippyLlama opens its page paths with ``on_device=True``."""
+    from skippy_llama.runtime import arena_setup
+    from skippy_llama.runtime import llama as runtime
+
+    real = arena_setup.open_page_paths
+
+    def on_device(*args: Any, **kwargs: Any) -> arena_setup.PagePaths:
+        kwargs["on_device"] = True
+        return real(*args, **kwargs)
+
+    setattr(runtime, "open_page_paths", on_device)  # noqa: B010 - not exported
 
 
 if __name__ == "__main__":

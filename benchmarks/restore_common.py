@@ -67,7 +67,20 @@ def gbps(event: Any) -> float | None:
 #: ``capture`` copies a waiting record's cells out before the prompt overwrites them. In a
 #: chunked restore fetch, assemble and promote run on the read-ahead thread, beside import.
 #: ``arena`` is a restore from L2's host arena by per-layer copies (its own lookup included).
-RESTORE_PHASES = ("fetch", "take", "assemble", "promote", "import", "capture", "arena")
+#: A restore of pages by per-layer copies (``KVSeam._direct``): ``read`` is a read-ahead
+#: thread's stage (fetch, parse, promote, and the copy into a staging arena on a device; beside
+#: ``copy``), ``copy`` the per-layer copies of a chunk into the KV tensors.
+RESTORE_PHASES = (
+    "fetch",
+    "take",
+    "assemble",
+    "promote",
+    "import",
+    "capture",
+    "arena",
+    "read",
+    "copy",
+)
 
 
 def timed_phases(llm: SkippyLlama) -> dict[str, float]:
@@ -81,6 +94,8 @@ def timed_phases(llm: SkippyLlama) -> dict[str, float]:
         "import": (kv, "_import"),
         "capture": (kv, "capture"),
         "arena": (kv, "_from_arena"),
+        "read": (kv, "_read_pages"),
+        "copy": (kv, "_copy_fetched"),
     }
     return wrap_timed({name: owners[name] for name in RESTORE_PHASES})
 

@@ -4,8 +4,10 @@
 #   benchmarks/gpu/run.sh setup            Python dependencies and the models, under $GPU_DIR
 #   benchmarks/gpu/run.sh build [--detach] llama-cpp-python 0.3.36 with CUDA (patched queue by default)
 #   benchmarks/gpu/run.sh build-wait [S]   wait up to S seconds (default 600) for a detached build
+#   benchmarks/gpu/run.sh certify          add this backend's rows to the roster (SmolLM2), a copy in $OUT
 #   benchmarks/gpu/run.sh test [FILES...]  the integration suite at n_gpu_layers -1 and 0 (default: all of it)
-#   benchmarks/gpu/run.sh bench [WHAT]     gpu (default: restores vs cold and a linear chat), matrix, pinned
+#   benchmarks/gpu/run.sh bench [WHAT]     gpu (default: restores vs cold per flash-attention setting,
+#                                          a linear chat, nothing reused), matrix, pinned
 #   benchmarks/gpu/run.sh env              print the exports that make this environment usable by hand
 #
 # Nothing is installed outside $GPU_DIR (default /tmp/skippy-gpu): dependencies go to $GPU_DIR/site and
@@ -29,6 +31,9 @@
 #   GPU_SIZES      prefix lengths of `bench gpu` (default "2048 8192 32000")
 #   GPU_CHAT       chat lengths of `bench gpu` (default 8192; "" for none); GPU_ROUNDS (default 3)
 #   GPU_ONESHOT    prompt lengths of `bench gpu`'s nothing-to-reuse workload (default 2048; "" for none)
+#   GPU_FA         flash-attention settings `bench gpu` runs, one after the other (default "1 0"): each
+#                  writes $OUT/gpu-fa<N>.json and $OUT/bench_gpu-fa<N>.log; the chat runs with the
+#                  first setting only
 #   GPU_BENCH_ARGS more arguments for bench_gpu.py (e.g. "--n-ubatch 128")
 #   GPU_MODEL      the timing model (default $GPU_DIR/big.gguf, written by setup: 1.1B F16 llama)
 #   GPU_LD_PRELOAD preloaded for test and bench (default: the system libstdc++ where it exists: an
@@ -270,11 +275,22 @@ cmd_test() {
   return "$rc"
 }
 
+cmd_certify() {
+  use_env
+  use_preload
+  check_build
+  cd "$ROOT"
+  # the roster of this copy of the checkout gains this backend's rows (every layer offloaded),
+  # which `test` and `bench` then use; the copy in $OUT is the one to bring back
+  "$PY" scripts/certify.py --models smollm2 2>&1 | tee "$OUT/certify.log" | grep "^certify:" | tail -20
+  cp roster/split-certified.json "$OUT/roster.json"
+}
+
 cmd_bench() {
   use_env
   use_preload
   check_build
-  local what="${1:-gpu}" model="${GPU_MODEL:-$GPU_DIR/big.gguf}" chat=()
+  local what="${1:-gpu}" model="${GPU_MODEL:-$GPU_DIR/big.gguf}" chat=() oneshot_args=()
   local lengths="${GPU_CHAT-8192}"
   if [ -n "$lengths" ]; then
     # shellcheck disable=SC2206  # a list of lengths
@@ -283,14 +299,22 @@ cmd_bench() {
   local oneshot="${GPU_ONESHOT-2048}"
   if [ -n "$oneshot" ]; then
     # shellcheck disable=SC2206  # a list of lengths
-    chat+=(--oneshot $oneshot)
+    oneshot_args=(--oneshot $oneshot)
   fi
   cd "$ROOT"
   case "$what" in
     gpu)
-      # shellcheck disable=SC2086  # lists of sizes
-      "$PY" benchmarks/bench_gpu.py "$model" --sizes ${GPU_SIZES:-2048 8192 32000} "${chat[@]}" ${GPU_BENCH_ARGS:-} \
-        --out "$OUT/gpu.json" 2>&1 | grep -v "n_ctx_seq\|hashing" | tee "$OUT/bench_gpu.log" | tail -40
+      local fa rc=0
+      for fa in ${GPU_FA:-1 0}; do
+        # every restore is printed with its GB/s beside the bus probe's (lines "restore n=...")
+        # shellcheck disable=SC2086  # lists of sizes
+        "$PY" benchmarks/bench_gpu.py "$model" --flash-attn "$fa" --sizes ${GPU_SIZES:-2048 8192 32000} \
+          "${chat[@]}" "${oneshot_args[@]}" ${GPU_BENCH_ARGS:-} --out "$OUT/gpu-fa$fa.json" 2>&1 \
+          | grep -v "n_ctx_seq\|hashing" > "$OUT/bench_gpu-fa$fa.log" || rc=1
+        grep "^restore \|^oneshot\|^Traceback\|Error" "$OUT/bench_gpu-fa$fa.log" | tail -60 || true
+        chat=()  # the chat once, with the first setting
+      done
+      return "$rc"
       ;;
     matrix)
       "$PY" -m skippy_llama.cli.main matrix --small --threads "$(nproc)" --portability \
@@ -320,11 +344,12 @@ case "${1:-}" in
   model) shift; cmd_model "$@" ;;
   build) shift; cmd_build "$@" ;;
   build-wait) shift; cmd_build_wait "$@" ;;
+  certify) shift; cmd_certify "$@" ;;
   test) shift; cmd_test "$@" ;;
   bench) shift; cmd_bench "$@" ;;
   env) shift; cmd_env "$@" ;;
   *)
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac
