@@ -163,16 +163,25 @@ class CostModel:
 
     def restore_cost(self, n_bytes: int, *, tier: str, storage: bool = False) -> float | None:
         """Estimated seconds to restore ``n_bytes`` of pages whose deepest source is ``tier``
-        (``storage``: it reads storage or the network): at ``tier``'s measured rate, else at
-        the probed bus's (plus ``STORAGE_HOST_PASSES`` host copies for storage), else None;
-        plus the first touch of the bytes beyond any earlier restore of this process."""
+        (``storage``: it reads storage or the network), once this process's buffers are
+        committed (what admission and eviction weigh): at ``tier``'s measured rate, else at
+        the probed bus's (plus ``STORAGE_HOST_PASSES`` host copies for storage), else None."""
         rate = self.restore_rate(tier)
         if rate is None:
             rate = self.bus_seconds_per_byte
             host = self.host_seconds_per_byte
             if rate is not None and storage and host is not None:
                 rate += STORAGE_HOST_PASSES * host
-        return None if rate is None else rate * n_bytes + self.first_touch_cost(n_bytes)
+        return None if rate is None else rate * n_bytes
+
+    def planned_restore_cost(
+        self, n_bytes: int, *, tier: str, storage: bool = False
+    ) -> float | None:
+        """What the next restore of ``n_bytes`` is expected to take (the planner's estimate):
+        :meth:`restore_cost` plus the first touch of the bytes beyond any earlier restore of
+        this process (:meth:`first_touch_cost`); None when unknown."""
+        cost = self.restore_cost(n_bytes, tier=tier, storage=storage)
+        return None if cost is None else cost + self.first_touch_cost(n_bytes)
 
     def first_touch_cost(self, n_bytes: int) -> float:
         """Seconds a restore of ``n_bytes`` pays once for host memory not touched before in
@@ -189,8 +198,8 @@ class CostModel:
         """Whether restoring ``moved_bytes`` of pages (deepest source ``tier``; ``storage``:
         it reads storage or the network) beats prefilling the ``saved_tokens`` the restore
         spares (True until both are measured; an unmeasured tier is estimated from the probed
-        bus, see :meth:`restore_cost`)."""
-        restore = self.restore_cost(moved_bytes, tier=tier, storage=storage)
+        bus, and a first restore pays its first touch: :meth:`planned_restore_cost`)."""
+        restore = self.planned_restore_cost(moved_bytes, tier=tier, storage=storage)
         cold = self.cold_cost(saved_tokens)
         return restore is None or cold is None or restore < cold
 

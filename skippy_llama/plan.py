@@ -387,7 +387,7 @@ class Planner:
             seq_id=best.seq_id if append else None,
             handle=best.handle if append else b"",
             floor=floor,
-            expected_s=self.costs.restore_cost(moved_bytes, tier=deepest, storage=storage),
+            expected_s=self.costs.planned_restore_cost(moved_bytes, tier=deepest, storage=storage),
             cold_s=self.costs.cold_cost(usable - floor),
             reason=f"{len(pages)} pages from {', '.join(dict.fromkeys(p.tier for p in pages))}",
         )

@@ -247,8 +247,12 @@ def test_a_first_restore_from_storage_is_planned_with_its_reads_and_first_touch(
     plan = planner(l3, costs=costs).plan(Prompt(tokens, 298))
     assert (plan.tier, plan.skipped) == ("cold", ("l3",))
     moved = 256 * BYTES_PER_TOKEN
-    assert costs.restore_cost(moved, tier="l3", storage=True) == pytest.approx(moved * 12e-9)
-    assert costs.restore_cost(moved, tier="l3") == pytest.approx(moved * 6e-9)  # bus + touch
+    assert costs.planned_restore_cost(moved, tier="l3", storage=True) == pytest.approx(
+        moved * 12e-9
+    )
+    assert costs.planned_restore_cost(moved, tier="l3") == pytest.approx(moved * 6e-9)
+    # admission and eviction weigh restores once buffers are committed: no first touch
+    assert costs.restore_cost(moved, tier="l3", storage=True) == pytest.approx(moved * 8e-9)
 
 
 def test_a_first_restore_from_host_ram_pays_no_reads() -> None:
