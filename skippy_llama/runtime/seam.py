@@ -24,6 +24,7 @@ import contextlib
 import logging
 import mmap
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -443,10 +444,11 @@ class KVSeam:
     ) -> RestoreOutcome | None:
         """A page restore by per-layer copies, no state blob: each run of pages held in L2's
         arena (``groups``; none without one) is copied from its slots, every other page from
-        its own fetched bytes (:func:`page_span`), in position order. The other pages are read
-        a chunk (``DIRECT_CHUNK_BYTES``) at a time by two read-ahead threads in turn, each
-        chunk read, verified, parsed and promoted (into L2's arena, where there is one) while
-        the previous chunk is copied. A page that fails its digest ends the read (a short
+        its own fetched bytes (:func:`page_span`) or, with staging arenas, from the slots
+        the read staged it in, in position order. The other pages are read a chunk
+        (``DIRECT_CHUNK_BYTES``) at a time by two read-ahead threads side by side, each chunk
+        read, verified, parsed and promoted (into L2's arena, where there is one) while the
+        chunks before it are read or copied. A page that fails its digest ends the read (a short
         read: the restore ends where the pages end, or a shallower plan runs). A copy or parse
         that fails clears what this restore added and returns None: the caller restores the
         plan by the stock state path instead."""
@@ -459,18 +461,29 @@ class KVSeam:
             )
         pools = self._direct_ahead
         turn = 0
-        pending: Future[_Fetched] | None = None
+        # the steps read from pages, in order, and the reads in flight or not yet copied: at
+        # most one per thread, so a thread's next read (which reuses its read buffer and its
+        # staging arena) is submitted only after its previous chunk was copied
+        to_read = [j for j, step in enumerate(steps) if not step[0]]
+        reads: deque[Future[_Fetched]] = deque()
 
-        def read_ahead(j: int) -> Future[_Fetched] | None:
+        def read_ahead() -> None:
             nonlocal turn
-            if j >= len(steps) or steps[j][0]:
-                return None
-            turn ^= 1
-            refs = plan.pages[steps[j][1] : steps[j][2]]
-            # each thread stages into its own arena: the one a chunk was staged in is written
-            # again only by that thread's next read, submitted after the chunk was copied
-            stage = self.staging[turn] if self.staging is not None else None
-            return pools[turn].submit(self._read_pages, refs, source, plan.n_tokens, stage)
+            while to_read and len(reads) < len(pools):
+                i0, i1 = steps[to_read.pop(0)][1:]
+                turn ^= 1
+                stage = self.staging[turn] if self.staging is not None else None
+                reads.append(
+                    pools[turn].submit(
+                        self._read_pages, plan.pages[i0:i1], source, plan.n_tokens, stage
+                    )
+                )
+
+        def drain() -> None:
+            # no read may still be running when the next restore starts
+            while reads:
+                with contextlib.suppress(Exception):
+                    reads.popleft().result()
 
         base = plan.base_tokens
         pos = base  # the next position to restore
@@ -478,16 +491,17 @@ class KVSeam:
         fetched: list[FetchedPage] = []
         placed = False
         try:
-            pending = read_ahead(0)
-            for j, (held, i0, i1) in enumerate(steps):
+            # both threads read from the start: while one chunk is copied, the next two are
+            # read, verified, parsed, promoted (and staged) side by side
+            read_ahead()
+            for held, i0, i1 in steps:
                 refs = plan.pages[i0:i1]
-                if not held and not placed:
-                    # the first read comes before the sequence is touched: nothing read leaves
-                    # the live sequence as it was for a shallower plan
-                    assert pending is not None
-                    if not pending.result().got:
-                        _note_short_read(plan, 0, notes, faults)
-                        return RestoreOutcome(plan, failed=True)
+                # the first read comes before the sequence is touched: nothing read leaves the
+                # live sequence as it was for a shallower plan
+                if not held and not placed and not reads[0].result().got:
+                    drain()
+                    _note_short_read(plan, 0, notes, faults)
+                    return RestoreOutcome(plan, failed=True)
                 if not placed:
                     if base:
                         self._place_base(plan)
@@ -495,8 +509,7 @@ class KVSeam:
                         self.cut()
                     placed = True
                 if held:
-                    # the next read overlaps this copy too
-                    nxt = read_ahead(j + 1)
+                    # the reads in flight overlap this copy too
                     with getattr(source, "arena_read")(refs) as read:  # noqa: B009 - checked
                         n_got = 0
                         if read is not None:
@@ -505,31 +518,24 @@ class KVSeam:
                                 self._copy_slots(plan, arena, slots, i0, pos)
                             n_got = len(slots)
                     fetched += [FetchedPage(r.tier, r.key, b"") for r in refs[:n_got]]
-                    pending = nxt
                 else:
-                    assert pending is not None
-                    chunk = pending.result()
-                    pending = None
+                    chunk = reads[0].result()
                     n_got = len(chunk.got)
-                    if n_got == len(refs):
-                        pending = read_ahead(j + 1)
                     if n_got:
                         pos = self._copy_fetched(plan, chunk, i0, pos, layout, source)
+                    reads.popleft()  # copied: its thread may read again
                     fetched += chunk.got
+                    if n_got == len(refs):
+                        read_ahead()
                 done = i0 + n_got
                 pos = plan.n_tokens - sum(page.used for page in plan.pages[done:])
                 if n_got < len(refs):
                     break
         except Exception as exc:
-            if pending is not None:
-                # no read may still be running when the next restore starts
-                with contextlib.suppress(Exception):
-                    pending.result()
+            drain()
             self._failed(plan, plan.tier, exc, notes, faults, self._intact(plan))
             return None
-        if pending is not None:  # pragma: no cover - a read ahead of a short read
-            with contextlib.suppress(Exception):
-                pending.result()
+        drain()  # reads ahead of a short read
         n_tokens = plan.n_tokens - sum(page.used for page in plan.pages[done:])
         outcome = RestoreOutcome(
             plan,
