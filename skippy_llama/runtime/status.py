@@ -27,6 +27,9 @@ def cache_status(seq: WorkingSequence, cache: PrefixCache, l1_budget_tokens: int
         "pinned_host_buffers": pinner.stats() if pinner is not None else None,
         # the load-time bus probe's rate (runtime/bus.py), where pages may be restored
         "bus_gb_per_s": round(1e-9 / bus, 2) if bus else None,
+        # host memory the restores of L3 pages copy through on a device (KVSeam.staging),
+        # outside l2.budget; pinned with the other host buffers where they are
+        "staging_bytes": sum(a.nbytes for a in seq.seam.staging) if seq.seam.staging else 0,
         "native": seq.verdict.to_json(),
         "kv_bytes_per_token": per_token,
         "context_kv_bytes": per_token * n_ctx,
