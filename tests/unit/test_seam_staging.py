@@ -49,7 +49,8 @@ class Status:
 
 @dataclass
 class DictL3:
-    """L3 over a dict of page bytes; every page has digest 1 (L2 mirrors it)."""
+    """L3 over a dict of page bytes; every page has digest 1 (L2 mirrors it, promoting pages
+    under the digest of their read)."""
 
     held: dict[bytes, bytes] = field(default_factory=dict)
     name: str = "l3"
@@ -70,6 +71,12 @@ class DictL3:
                 break
             out.append(self.held[k])
         return out
+
+    def fetch_digested(
+        self, keys: Sequence[bytes], *, queued: bool = False
+    ) -> list[tuple[bytes | memoryview, bytes | None]]:
+        """What :meth:`fetch` gives, each page with its read's digest (L2 promotes by it)."""
+        return [(payload, b"\x01") for payload in self.fetch(keys)]
 
     def digest(self, key: bytes) -> bytes | None:
         return b"\x01" if key in self.held else None
