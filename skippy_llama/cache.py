@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from .costs import CostModel
 from .counters import CacheCounters, is_hit
+from .departures import Departures
 from .identity import CacheIdentity, chain_key, token_bytes
 from .page_source import TierPages
 from .plan import Planner, Prompt, RestoreOutcome, RestorePlan
@@ -97,6 +98,8 @@ class PrefixCache:
         #: the resident tier (L1), if any: parks and checkpoint restores go through it
         self._l1 = next((t for t in self.tiers if isinstance(t, ResidentTier)), None)
         self._prefetcher = Prefetcher(self.planner)
+        #: prefixes that left the live sequence, for the park rule's reuse chance
+        self.departures = Departures(page_tokens)
         # sorted once (the request path asks every time; a protocol isinstance is slow)
         self._page_tiers = tuple(t for t in self.tiers if isinstance(t, PageTier))
         self._record_tiers = tuple(t for t in self._page_tiers if t.takes_records)
@@ -178,6 +181,13 @@ class PrefixCache:
             counters.park_skipped += int(bool(planned.park_skipped))
             for fault in outcome.faults:
                 _bump(counters.fallbacks, fault)
+        if self._l1 is not None:
+            # a park is worth as much as departed prefixes return (``departures.py``)
+            seen = self.departures.observe(prompt.tokens, prompt.live)
+            if seen.returned:
+                self.costs.observe_return()
+            if seen.departed:
+                self.costs.observe_departure()
         for name in planned.searched:
             tier = next((t for t in self._page_tiers if t.name == name), None)
             if tier is not None:
@@ -346,13 +356,32 @@ class PrefixCache:
         longer waits for. ``state``'s bytes must stay untouched until ``release`` is called
         (once every tier has let go of the record, or at once when none takes it).
         """
+        state = sort_by_position(state)  # once, not once per page
+        payloads = []
+        for _, _, start, end in plan.new:
+            page = slice_state(state, start, end)  # views into the capture
+            payloads.append(PendingPayload(page.nbytes, page.to_bytes))
+        return self.record_payloads(plan, payloads, tokens, release)
+
+    def record_payloads(
+        self,
+        plan: RecordPlan,
+        payloads: Sequence[PendingPayload],
+        tokens: Tokens,
+        release: Callable[[], None] | None = None,
+    ) -> bool:
+        """:meth:`record` with the new pages' bytes still to be made, one per ``plan.new``
+        (the runtime's export into arena slots makes them once its copies ended); the bytes
+        they are made from stay untouched until ``release`` is called."""
+        if len(payloads) != len(plan.new):
+            raise ValueError(f"{len(payloads)} payloads for {len(plan.new)} new pages")
         recorders = self._recorders()
         done = _Countdown(len(recorders), release)
         if not recorders:
             done()
             return False
         try:
-            records = [self._new_record(plan, state, tokens, done) for _ in recorders]
+            records = [self._new_record(plan, payloads, tokens, done) for _ in recorders]
         except BaseException:
             for _ in recorders:
                 done()
@@ -366,7 +395,7 @@ class PrefixCache:
     def _new_record(
         self,
         plan: RecordPlan,
-        state: SequenceState,
+        payloads: Sequence[PendingPayload],
         tokens: Tokens,
         release: Callable[[], None] | None,
     ) -> PrefixRecord:
@@ -374,10 +403,7 @@ class PrefixCache:
             PageBlob(step.key, step.parent, step.n_tokens, b"", None, step.used)
             for step in plan.reused
         ]
-        state = sort_by_position(state)  # once, not once per page
-        for key, parent, start, end in plan.new:
-            page = slice_state(state, start, end)  # views into the capture
-            payload = PendingPayload(page.nbytes, page.to_bytes)
+        for (key, parent, start, end), payload in zip(plan.new, payloads, strict=True):
             pages.append(
                 PageBlob(
                     key, parent, end - start, token_bytes(tokens[start:end]), payload, end - start

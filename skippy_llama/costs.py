@@ -16,6 +16,11 @@ model, so each rate has one estimator, fed at one point:
   costs at best (host to device on a GPU build, a memory copy on the CPU), from the runtime's
   load-time probe (``runtime/bus.py``): the floor under every page restore.
 
+- ``reuse_probability``: how often a prefix that left the live sequence (a prompt destroyed a
+  page or more of it) came back in a later prompt, parked or not (``observe_departure`` /
+  ``observe_return``, fed by ``PrefixCache.commit`` through :mod:`skippy_llama.departures`):
+  a park is insurance, worth its cost only as often as the prefix returns.
+
 Until a rate is measured its rule answers yes (restore, park): that is how it gets measured.
 With the bus probed, a page tier not yet measured is planned at the bus's rate (a restore the
 bus itself cannot make faster than the prefill is not tried), and the bus's rate is the prior of
@@ -51,6 +56,10 @@ MIN_PREFILL_TOKENS = 16
 #: the bus moves them, planning its first restore: the read into a buffer and the digest check
 #: (issue 45: an H100's first 2k-token L3 restore spent 11 ms fetching 46 MB, the bus 1 ms).
 STORAGE_HOST_PASSES = 2
+#: Each departure keeps this share of the earlier departures' and returns' weight in
+#: ``reuse_probability``: about the last 10 departures decide it, so a workload that changes
+#: (one-shots, then interleaved chats) is followed within a few requests.
+REUSE_DECAY = 0.9
 
 
 class CostModel:
@@ -81,6 +90,9 @@ class CostModel:
         self.first_touch_seconds_per_byte: float | None = None
         #: the most bytes one restore of this process moved: buffers that large are committed
         self.touched_bytes = 0
+        #: decayed counts of departures from the live sequence and of their returns
+        self.departures = 0.0
+        self.returns = 0.0
         self._lock = threading.Lock()
 
     def _ewma(self, old: float | None, sample: float) -> float:
@@ -145,7 +157,27 @@ class CostModel:
             with self._lock:
                 self.park_seconds = self._ewma(self.park_seconds, seconds)
 
+    def observe_departure(self) -> None:
+        """A prompt destroyed a page or more of the live sequence (parked or not)."""
+        with self._lock:
+            self.departures = self.departures * REUSE_DECAY + 1.0
+            self.returns *= REUSE_DECAY
+
+    def observe_return(self) -> None:
+        """A prompt came back to a prefix that had departed (each departure returns once)."""
+        with self._lock:
+            self.returns = min(self.returns + 1.0, self.departures)
+
     # -- estimates ------------------------------------------------------------------------
+
+    @property
+    def reuse_probability(self) -> float:
+        """How likely a prefix that leaves the live sequence is to come back: 1.0 until a
+        departure is seen (so parks are taken, and measured), then (returns + 1) /
+        (departures + 1) over the recent departures (``REUSE_DECAY``). Nine one-shot prompts in
+        a row bring it to 0.17; two chats taking turns keep it near 1."""
+        with self._lock:
+            return min(1.0, (self.returns + 1.0) / (self.departures + 1.0))
 
     @property
     def measured(self) -> bool:
@@ -210,15 +242,73 @@ class CostModel:
             return True
         return restore < rate * saved_tokens
 
-    def park_pays(self, n_tokens: int, *, unmeasured_min: int = 0) -> bool:
-        """Whether a park that spares prefilling ``n_tokens`` again can repay the park and
-        its later checkpoint restore; until all three are measured, whether ``n_tokens`` is
-        at least ``unmeasured_min``."""
-        rate = self.prefill_seconds_per_token
+    def recall_cost(
+        self, n_tokens: int, *, recorded_tokens: int = 0, recorded_bytes: int = 0, tier: str = ""
+    ) -> float | None:
+        """Estimated seconds to bring back ``n_tokens`` lost tokens without a park: prefilling
+        them, or, for the first ``recorded_tokens`` of them (``recorded_bytes`` of pages a
+        record-taking ``tier`` holds), restoring those pages and prefilling the rest, whichever
+        is cheaper; None before a prefill was measured."""
+        cold = self.cold_cost(n_tokens)
+        if cold is None or recorded_tokens <= 0 or not tier:
+            return cold
+        recorded_tokens = min(recorded_tokens, n_tokens)
+        pages = self.restore_cost(recorded_bytes, tier=tier)
+        rest = self.cold_cost(n_tokens - recorded_tokens)
+        if pages is None or rest is None:
+            return cold
+        return min(cold, pages + rest)
+
+    def park_gain(
+        self,
+        n_tokens: int,
+        *,
+        reuse: float = 1.0,
+        recorded_tokens: int = 0,
+        recorded_bytes: int = 0,
+        tier: str = "",
+    ) -> tuple[float, float] | None:
+        """A park of a prefix whose ``n_tokens`` a prompt destroys: its expected saving (the
+        chance ``reuse`` that the prefix returns × what bringing the tokens back without it
+        would cost more than a checkpoint restore, :meth:`recall_cost`) and its own cost, in
+        seconds; None until prefill, park and checkpoint restore are all measured."""
         restore, park = self.checkpoint_restore_seconds, self.park_seconds
-        if rate is None or restore is None or park is None:
+        recall = self.recall_cost(
+            n_tokens, recorded_tokens=recorded_tokens, recorded_bytes=recorded_bytes, tier=tier
+        )
+        if recall is None or restore is None or park is None:
+            return None
+        return max(0.0, reuse) * (recall - restore), park
+
+    def park_pays(
+        self,
+        n_tokens: int,
+        *,
+        unmeasured_min: int = 0,
+        reuse: float = 1.0,
+        recorded_tokens: int = 0,
+        recorded_bytes: int = 0,
+        tier: str = "",
+    ) -> bool:
+        """Whether a park that spares bringing ``n_tokens`` back is worth its cost: its
+        expected saving exceeds the park's measured time (:meth:`park_gain`; with the defaults,
+        whether prefilling ``n_tokens`` costs more than the park and a checkpoint restore).
+        Until all three are measured, whether ``n_tokens`` is at least ``unmeasured_min``.
+
+        Issue 45: with flash attention off an H100 spent 60-80 ms parking the transposed V of
+        every one-shot 2k-token prompt (1.71x plain Llama), for prompts that never returned and
+        whose pages L3 held anyway."""
+        gain = self.park_gain(
+            n_tokens,
+            reuse=reuse,
+            recorded_tokens=recorded_tokens,
+            recorded_bytes=recorded_bytes,
+            tier=tier,
+        )
+        if gain is None:
             return n_tokens >= unmeasured_min
-        return park + restore < rate * n_tokens
+        saving, cost = gain
+        return saving > cost
 
 
 class AlwaysRestore(CostModel):
@@ -233,5 +323,14 @@ class AlwaysRestore(CostModel):
     def checkpoint_pays(self, saved_tokens: int) -> bool:
         return True
 
-    def park_pays(self, n_tokens: int, *, unmeasured_min: int = 0) -> bool:
+    def park_pays(
+        self,
+        n_tokens: int,
+        *,
+        unmeasured_min: int = 0,
+        reuse: float = 1.0,
+        recorded_tokens: int = 0,
+        recorded_bytes: int = 0,
+        tier: str = "",
+    ) -> bool:
         return True

@@ -50,6 +50,9 @@ class Prompt:
         sliding_window: the model has a sliding-window cache (cut back inside its cells, its
             continuation differs from a cold one).
         can_append: the runtime can continue an L1 prefix with pages (append import).
+        live_recorded: leading tokens of ``live`` that the record-taking tiers hold or were
+            handed (the runtime's last record): a prompt that destroys them loses only what
+            restoring those pages costs, which a park must beat (:meth:`Planner.park`).
     """
 
     tokens: Tokens
@@ -60,13 +63,14 @@ class Prompt:
     scored: int | None = None
     sliding_window: bool = False
     can_append: bool = False
+    live_recorded: int = 0
 
     def aligned(self, n: int) -> int:
         return n - n % self.granule
 
     def without_live(self) -> Prompt:
         """The same prompt after the working sequence was cleared."""
-        return dataclasses.replace(self, live=self.live[:0], live_cells=0)
+        return dataclasses.replace(self, live=self.live[:0], live_cells=0, live_recorded=0)
 
 
 @dataclass(frozen=True)
@@ -250,26 +254,51 @@ class Planner:
 
         What a park keeps is what the prompt destroys: the live exact tokens past the common
         prefix with the prompt. The shared part is never counted: the prompt's own prefill
-        leaves it live again (the cells past the granule boundary included). Parking pays when
-        prefilling the destroyed tokens again costs more than the park and a later checkpoint
-        restore (the cost model). Until those are measured, it must destroy one page at least:
-        a tail shorter than a page (a question after a shared document) is prefilled again in a
-        few milliseconds, while the park copies the whole prefix (20-26 ms for 1,293 tokens on
+        leaves it live again (the cells past the granule boundary included). A park is
+        insurance: it pays when its expected saving beats its measured cost (the cost model's
+        :meth:`~skippy_llama.costs.CostModel.park_pays`): the chance that the prefix returns
+        (``reuse_probability``: one-shot prompts never do) × what bringing the destroyed tokens
+        back without it costs beyond a checkpoint restore, where the part the last record
+        handed to L3 (``Prompt.live_recorded``) comes back at L3's restore rate, not by a
+        prefill. Until those are measured, it must destroy one page at least: a tail shorter
+        than a page (a question after a shared document) is prefilled again in a few
+        milliseconds, while the park copies the whole prefix (20-26 ms for 1,293 tokens on
         2 CPU cores, issue 42); a tail of a page or more is parked, which measures what parks
         cost here.
         """
-        destroyed = len(prompt.live) - common_prefix(prompt.live, prompt.tokens)
+        common = common_prefix(prompt.live, prompt.tokens)
+        destroyed = len(prompt.live) - common
         if destroyed <= 0:
             return False, None
-        if self.costs.park_pays(destroyed, unmeasured_min=self.page_tokens):
+        tier = next((t.name for t in self.page_tiers() if t.takes_records), "")
+        recorded = max(0, min(prompt.live_recorded, len(prompt.live)) - common) if tier else 0
+        costs = self.costs
+        reuse = costs.reuse_probability
+        n_bytes = recorded * self.bytes_per_token
+        if costs.park_pays(
+            destroyed,
+            unmeasured_min=self.page_tokens,
+            reuse=reuse,
+            recorded_tokens=recorded,
+            recorded_bytes=n_bytes,
+            tier=tier,
+        ):
             return True, None
-        cold, park = self.costs.cold_cost(destroyed), self.costs.park_seconds
-        restore = self.costs.checkpoint_restore_seconds
-        if cold is None or park is None or restore is None:
+        gain = costs.park_gain(
+            destroyed, reuse=reuse, recorded_tokens=recorded, recorded_bytes=n_bytes, tier=tier
+        )
+        recall = costs.recall_cost(
+            destroyed, recorded_tokens=recorded, recorded_bytes=n_bytes, tier=tier
+        )
+        if gain is None or recall is None:
             return False, f"{destroyed} tokens lost, under one page: prefilled again if asked"
+        saving, park = gain
+        restore = costs.checkpoint_restore_seconds or 0.0
         return False, (
-            f"{destroyed} tokens lost: prefilling them again ({cold * 1e3:.1f} ms) beats a park "
-            f"and a restore ({(park + restore) * 1e3:.1f} ms)"
+            f"{destroyed} tokens lost: bringing them back costs {recall * 1e3:.1f} ms"
+            f"{f' ({recorded} from {tier})' if recorded else ''}, a checkpoint restore "
+            f"{restore * 1e3:.1f} ms; at a reuse chance of {reuse:.2f} a park would save "
+            f"{saving * 1e3:.1f} ms, no more than it costs ({park * 1e3:.1f} ms)"
         )
 
     def _remote_path(

@@ -12,12 +12,14 @@ Setter = Callable[[Any, str, Any], None]
 
 
 def gpu_like(set_attr: Setter = setattr) -> None:
-    """A GPU build's reuse granule (``n_ubatch``), record deferral, chunked restores,
+    """A GPU build's reuse granule (``n_ubatch``), records (exported into arena slots off the
+    request path where patch 0006 is certified, else waiting), chunked restores,
     roster-certified restore points on micro-batch boundaries and page paths (L3 pages staged
     into a host arena before their per-layer copies, as where the KV cache is on a device:
     :func:`staged_page_copies`), on any build."""
     from skippy_llama.runtime import llama as runtime
     from skippy_llama.runtime import probes, restore_points
+    from skippy_llama.runtime.recording import default_defer_tokens
     from skippy_llama.runtime.working import WorkingSequence
 
     init = runtime.SkippyLlama.__init__
@@ -28,7 +30,8 @@ def gpu_like(set_attr: Setter = setattr) -> None:
 
     def gpu_like_init(self: runtime.SkippyLlama, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self.defer_record_tokens = runtime.DEFER_RECORD_TOKENS
+        exports = self.seam.exporter is not None
+        self.defer_record_tokens = default_defer_tokens(on_cpu=False, exports=exports)
         self.pipeline_restores = True
 
     set_attr(probes, "canonical_granule", canonical_granule)

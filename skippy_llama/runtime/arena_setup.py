@@ -33,6 +33,7 @@ from ..roster import Verdict
 from ..state import KVLayout
 from ..tiers.arena import HostArena, slot_count
 from . import native_ext
+from .export import CellExporter
 from .seam import DIRECT_CHUNK_BYTES, KVSeam
 
 log = logging.getLogger("skippy_llama")
@@ -237,6 +238,44 @@ def attach_arena(
     return None
 
 
+#: The export arena holds this many contexts' worth of cells: a record's export and the one
+#: before it, which the L3 writer may still be cutting pages from.
+EXPORT_CONTEXTS = 2
+
+
+def open_exporter(
+    ctx: Any,
+    seam: KVSeam,
+    cache: PrefixCache,
+    layout: KVLayout | None,
+    verdict: Verdict,
+    n_ctx: int,
+    *,
+    pinner: Pinner | None = None,
+) -> str | None:
+    """Give the seam an exporter of records' new cells into arena slots (``export.py``), so
+    no capture lands on a request; returns why not (None: on). Where there is none, records
+    are captured through the state format (and wait on GPU builds, ``recording.py``).
+
+    The arena holds ``EXPORT_CONTEXTS`` times the context's cells in whole pages (its memory
+    is committed where written, or all at once where it is pinned: CUDA builds, up to
+    ``PIN_ARENA_MAX_BYTES``, so the device-to-host copies run asynchronously by DMA)."""
+    if not cache.takes_records:
+        return "no tier takes records"
+    if n_ctx <= 0:
+        return "the context size is unknown"
+    refusal = copy_refusal(ctx, layout, verdict)
+    if refusal is not None:
+        return refusal
+    assert layout is not None
+    page = cache.page_tokens
+    arena = HostArena(layout, page, EXPORT_CONTEXTS * (-(-n_ctx // page)))
+    if pinner is not None and arena.nbytes <= PIN_ARENA_MAX_BYTES and pinner.pin(arena.buffer):
+        arena.on_close = lambda: pinner.unpin(arena.buffer)
+    seam.exporter = CellExporter(ctx, arena)
+    return None
+
+
 @dataclass(frozen=True)
 class PagePaths:
     """Why pages are not restored by per-layer copies (None: they are).
@@ -245,10 +284,13 @@ class PagePaths:
         page_copy_refusal: why pages read from L3 are assembled into a state blob rather than
             copied per layer from their own bytes into the KV tensors.
         arena_refusal: why L2 keeps page bytes rather than its host arena.
+        export_refusal: why records are captured through the state format rather than
+            exported into arena slots off the request path (``export.py``).
     """
 
     page_copy_refusal: str | None
     arena_refusal: str | None
+    export_refusal: str | None = "not asked"
 
 
 def open_page_paths(
@@ -260,11 +302,12 @@ def open_page_paths(
     *,
     on_device: bool,
     pinner: Pinner | None,
+    n_ctx: int = 0,
 ) -> PagePaths:
-    """Turn on the per-layer page copies and L2's arena where they serve (fail-open: any error
-    leaves the stock state paths, logged)."""
+    """Turn on the per-layer page copies, L2's arena and the records' export where they serve
+    (fail-open: any error leaves the stock state paths, logged)."""
     if layout is None:
-        return PagePaths("no pages", "no pages")
+        return PagePaths("no pages", "no pages", "no pages")
     try:
         copies = enable_page_copies(
             ctx,
@@ -285,4 +328,10 @@ def open_page_paths(
         except Exception as exc:  # fail-open: L2 keeps page bytes
             arena = f"{type(exc).__name__}: {exc}"
             log.warning("skippy-llama: no L2 arena (%s)", arena)
-    return PagePaths(copies, arena)
+    try:
+        export = open_exporter(ctx, seam, cache, layout, verdict, n_ctx, pinner=pinner)
+    except Exception as exc:  # fail-open: records are captured
+        export = f"{type(exc).__name__}: {exc}"
+        seam.exporter = None
+        log.warning("skippy-llama: records are captured, not exported (%s)", export)
+    return PagePaths(copies, arena, export)

@@ -43,7 +43,7 @@ from .cache_setup import l1_budget, open_cache, open_seam
 from .context import adjusted, sequence_count
 from .identity_params import build_identity
 from .prompt_tokens import completion_tokens
-from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder
+from .recording import DECODED_SUFFIX, DEFER_RECORD_TOKENS, Recorder, default_defer_tokens
 from .restore import restore_prefix
 from .restore_points import RestorePointPath, open_for_model
 from .seam import backend_name
@@ -159,6 +159,7 @@ class SkippyLlama(llama_cpp.Llama):
             seq.verdict,
             on_device=offloaded,
             pinner=self.seam.buffers.pinner,
+            n_ctx=self.n_ctx(),
         )
         #: Why pages read from L3 are assembled into a state blob rather than copied per layer
         #: from their own bytes straight into the KV tensors (None: copied; ``arena_setup.py``).
@@ -166,13 +167,19 @@ class SkippyLlama(llama_cpp.Llama):
         #: Why L2 keeps page bytes rather than its host arena, whose restores copy pages per
         #: layer straight into the KV tensors (None: the arena serves).
         self.arena_refusal: str | None = paths.arena_refusal
+        #: Why records are captured through the state format rather than exported into arena
+        #: slots off the request path (None: exported; ``runtime/export.py``).
+        self.export_refusal: str | None = paths.export_refusal
         #: Whole-sequence restore points at prompt ends, for recurrent and hybrid models (which
         #: the paged cache refuses) where they are exact, and for sliding-window models when L3
         #: is on; None otherwise.
         self.restore_points: RestorePointPath | None = open_for_model(
             seq, settings, self.cache_identity, model_path, window
         )
-        self.recorder = Recorder(seq, self.prefix_cache, 0 if on_cpu else DEFER_RECORD_TOKENS)
+        exports = self.seam.exporter is not None
+        self.recorder = Recorder(
+            seq, self.prefix_cache, default_defer_tokens(on_cpu=on_cpu, exports=exports)
+        )
 
     @classmethod
     def from_package(
@@ -265,6 +272,7 @@ class SkippyLlama(llama_cpp.Llama):
     ) -> Generator[int, Sequence[int] | None, None]:
         """``Llama.generate`` that first restores the longest cached prefix of ``tokens``."""
         reset = kwargs.get("reset", True)
+        self.seam.settle()  # a record's export still copying cells must end first
         if self.restore_points is not None and reset and len(tokens) > 0:
             self.reset()  # the live sequence holds lone-decoded tokens: never continued
             self._epoch += 1
@@ -320,6 +328,7 @@ class SkippyLlama(llama_cpp.Llama):
 
         Inside ``generate`` the prefix was already restored, so this is plain decoding.
         """
+        self.seam.settle()
         if self.in_generate or not self.caching or len(tokens) < 2:
             self.working.decode(tokens)
             return
@@ -450,6 +459,7 @@ class SkippyLlama(llama_cpp.Llama):
         Resident prefixes live in checkpoints outside the KV cells, so the state holds the
         working sequence alone, exactly as plain ``Llama``'s does.
         """
+        self.seam.settle()
         state = super().save_state()
         state.skippy_exact = self.working.exact_tokens()  # type: ignore[attr-defined]
         state.skippy_scored = min(self.working.scored, self.n_tokens)  # type: ignore[attr-defined]
@@ -469,6 +479,7 @@ class SkippyLlama(llama_cpp.Llama):
 
     def clear_cache(self) -> None:
         """Drop every resident prefix (L1) and restore point."""
+        self.seam.settle()
         if self.restore_points is not None:
             self.restore_points.clear()
         resident = self.prefix_cache.resident
@@ -478,6 +489,7 @@ class SkippyLlama(llama_cpp.Llama):
     def cache_status(self) -> dict[str, Any]:
         """In-process cache state: L1 memory and counters (what ``kv-cache status`` cannot see),
         and the restore points held in memory (recurrent and hybrid models)."""
+        self.seam.settle()
         status = cache_status(self.working, self.prefix_cache, self.l1_budget_tokens)
         if self.restore_points is not None:
             status["restore_points"] = self.restore_points.status()

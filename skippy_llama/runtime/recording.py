@@ -1,10 +1,16 @@
 """L3 records of the working sequence: what to capture, when, and handing it to the cache.
 
 Only what the record-taking tiers lack is captured: the record continues the stored page tree
-where the prompt leaves it, and only the cells of its new pages are serialized. On GPU builds
-every record waits (``Recorder.defer_tokens``): the capture is made before another
-prompt takes the sequence (on that request, which must keep the cells first), while idle
-(``prepare_next_turn``), or on ``close``, never between a reply and the request after it.
+where the prompt leaves it, and only the cells of its new pages leave the context. Where the
+seam has an exporter (patch 0006 certified, ``runtime/export.py``), they are exported into
+arena slots right after the request's decode, on the exporter's thread (an asynchronous
+device-to-host copy on CUDA), and the L3 writer cuts, compresses, hashes and writes the pages
+from there: nothing of the record lands on a request but the plan (a few lookups) and, for the
+next request, the wait for an export still copying. Elsewhere the cells are captured through
+the state format; then on GPU builds every record waits (``Recorder.defer_tokens``): the
+capture is made before another prompt takes the sequence (on that request, which must keep the
+cells first), while idle (``prepare_next_turn``), or on ``close``, never between a reply and
+the request after it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from ..errors import StateFormatError
 from ..events import CacheEvent
 from ..hostmem import HostBuffer
 from ..state import parse_state
+from ..tiers.records import PendingPayload
 from .working import WorkingSequence, guard
 
 #: On GPU builds a record waits while fewer than this many of its tokens are unrecorded: always,
@@ -29,6 +36,13 @@ DEFER_RECORD_TOKENS = 1 << 30
 #: Prompt tokens always decoded, never restored (see ``SkippyLlama``): a repeat of a prompt
 #: reuses all but these.
 DECODED_SUFFIX = 2
+
+
+def default_defer_tokens(*, on_cpu: bool, exports: bool) -> int:
+    """``Recorder.defer_tokens`` for a build: records wait only on GPU builds that capture
+    through the state format (a synchronized copy per layer); where records are exported
+    asynchronously (``exports``) or the capture is a memcpy (the CPU), never."""
+    return 0 if on_cpu or exports else DEFER_RECORD_TOKENS
 
 
 class Recorder:
@@ -53,6 +67,11 @@ class Recorder:
         #: the tokens of the last record made, and the point of a record left for later
         self.recorded: np.ndarray[Any, np.dtype[np.int32]] | None = None
         self.deferred = 0
+
+    def settle(self) -> None:
+        """Wait for a record's export still copying cells out of the context (see
+        ``runtime/export.py``): before anything touches the context."""
+        self.seq.seam.settle()
 
     def after_request(self, event: CacheEvent) -> None:
         """Queue the exact part of the working sequence, as far as a repeat can use it.
@@ -88,6 +107,7 @@ class Recorder:
 
     def unless_continued(self, tokens: np.ndarray[Any, np.dtype[np.int32]]) -> None:
         """Make a waiting record now, unless ``tokens`` (the next prompt) continue it."""
+        self.settle()
         point = self.deferred
         if point and not (
             len(tokens) >= point and np.array_equal(tokens[:point], self.seq.llm.input_ids[:point])
@@ -96,6 +116,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Make a waiting record now, before the working sequence changes (or while idle)."""
+        self.settle()
         point = self.deferred
         if point:
             guard(self.cache, "record", None, lambda: self.record(point))
@@ -110,8 +131,27 @@ class Recorder:
         point = min(point, seq.live_exact())
         tokens = seq.tokens(point)
         self.recorded = tokens
+        seq.held = None
         plan = cache.plan_record(tokens, point)
         if plan is None:
+            seq.held = tokens  # all stored already
+            return
+        parts = [(start, end) for _, _, start, end in plan.new]
+        exporter = seq.seam.exporter
+        export = seq.seam.export(parts)
+        if exporter is not None and export is not None:
+            # the cells are on their way into arena slots; the writer makes the pages
+            payloads = [
+                PendingPayload(slot.nbytes, functools.partial(export.page_bytes, i))
+                for i, slot in enumerate(export.slots)
+            ]
+            release = exporter.release(export)
+            try:
+                taken = cache.record_payloads(plan, payloads, tokens, release)
+            except BaseException:
+                release()
+                raise
+            seq.held = tokens if taken else None
             return
         start = plan.new[0][2] if plan.new else point
         blob = seq.seam.capture(start, point, range_export=seq.verdict.range_export)
@@ -124,4 +164,4 @@ class Recorder:
         except BaseException:
             release()
             raise
-        cache.record(plan, state, tokens, release)
+        seq.held = tokens if cache.record(plan, state, tokens, release) else None

@@ -44,6 +44,8 @@ def restore_prefix(
         scored=seq.scored_tokens,
         sliding_window=seq.sliding_window,
         can_append=cache.takes_records and seq.verdict.append_import,
+        # what the last record handed to L3 comes back from there without a park
+        live_recorded=min(seq.held_tokens(), exact),
     )
     plan = cache.plan(prompt)
     event.park_skipped = plan.park_skipped

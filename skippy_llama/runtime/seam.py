@@ -42,6 +42,7 @@ from ..state.pages import state_bytes
 from ..tiers.arena import ArenaSlot, HostArena
 from ..tiers.base import ParkPlan
 from . import native, native_ext
+from .export import CellExport, CellExporter
 
 log = logging.getLogger("skippy_llama")
 
@@ -216,9 +217,17 @@ class KVSeam:
         #: a direct restore's two read threads, taken in turn: a chunk's pages are views into
         #: its thread's read buffer, so the next chunk is read by the other thread
         self._direct_ahead: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        #: exports records' new cells into arena slots off the request path (``export.py``;
+        #: ``runtime/arena_setup.open_exporter``); None: records are captured by :meth:`capture`
+        self.exporter: CellExporter | None = None
 
     def close(self) -> None:
         """Drop the kept host buffers and stop the read-ahead thread (on close)."""
+        self.settle()
+        exporter, self.exporter = self.exporter, None
+        if exporter is not None:
+            exporter.close()
+            exporter.arena.close()
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
             self._ahead = None
@@ -282,6 +291,20 @@ class KVSeam:
         if view.obj is not buf:  # outgrown: the call wrote a fresh buffer
             self.buffers.retire(buf)
         return view
+
+    def export(self, parts: list[tuple[int, int]]) -> CellExport | None:
+        """Start exporting the working sequence's cells of positions ``[start, end)`` of each
+        of ``parts`` (a record's new pages) into the exporter's arena slots, off the request
+        path; None when there is no exporter or no room (then :meth:`capture`)."""
+        if self.exporter is None:
+            return None
+        return self.exporter.start(WORKING_SEQ, parts)
+
+    def settle(self) -> None:
+        """Wait for a record's export still copying cells out of the context: call before
+        anything (a decode, a cut, a checkpoint) touches the context."""
+        if self.exporter is not None:
+            self.exporter.settle()
 
     # -- L1 checkpoints -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ def cache_status(seq: WorkingSequence, cache: PrefixCache, l1_budget_tokens: int
     pinner = seq.seam.buffers.pinner
     n_ctx = seq.llm.n_ctx()
     bus = cache.costs.bus_seconds_per_byte
+    exporter = seq.seam.exporter
     return {
         "caching": seq.caching,
         "disabled_reason": seq.disabled_reason,
@@ -42,5 +43,16 @@ def cache_status(seq: WorkingSequence, cache: PrefixCache, l1_budget_tokens: int
             "resident_tokens": used,
             "resident_bytes": per_token * used,
         },
+        # records' new cells exported into arena slots off the request path (export.py)
+        "export": None
+        if exporter is None
+        else {
+            "exports": exporter.exports,
+            "no_room": exporter.no_room,
+            "arena_bytes": exporter.arena.nbytes,
+            "arena_pinned": exporter.arena.on_close is not None,
+        },
+        # how often a prefix that left the live sequence came back (the park rule weighs it)
+        "reuse_probability": round(cache.costs.reuse_probability, 3),
         "counters": cache.counters_json(),
     }

@@ -71,6 +71,8 @@ class WorkingSequence:
         self.reply_repairable = False
         self.last_sampled: int | None = None  # the last request's last token (not evaluated)
         self.chat_head: list[int] | None = None  # the chat template's head, once looked up
+        #: the tokens of the last record the record-taking tiers took (or found stored)
+        self.held: npt.NDArray[np.int32] | None = None
         self._layout: KVLayout | None = None
         self._layout_read = False
         self._verdict: Verdict | None = None
@@ -101,6 +103,15 @@ class WorkingSequence:
         if exact > 0:
             exact = min(exact, self.seam.live_cells())
         return self.aligned(max(exact, 0))
+
+    def held_tokens(self) -> int:
+        """Leading live tokens the last record handed to the record-taking tiers (or found
+        stored there): what a park of them competes with (``Planner.park``)."""
+        held = self.held
+        n = 0 if held is None else len(held)
+        if held is None or n == 0 or n > self.n_tokens:
+            return 0
+        return n if np.array_equal(self.llm.input_ids[:n], held) else 0
 
     def aligned(self, n: int) -> int:
         """``n`` rounded down to a canonical batch boundary (see ``granule``)."""

@@ -53,11 +53,7 @@ class Page:
 
     @property
     def nbytes(self) -> int:
-        return (
-            _HEADER.size
-            + _LAYER.size * self.layout.n_layer
-            + self.n_tokens * (self.layout.ext_bytes + self.layout.kv_bytes_per_cell)
-        )
+        return page_nbytes(self.layout, self.n_tokens)
 
     def head(self, n: int) -> Page:
         """The page's first ``n`` tokens (views, no copy)."""
@@ -108,6 +104,15 @@ class Page:
         ]
         parts = (np.ascontiguousarray(arr).data for arr in (self.ext, *self.k, *self.v))
         return b"".join([*head, *parts])
+
+
+def page_nbytes(layout: KVLayout, n_tokens: int) -> int:
+    """The serialized size of a page of ``n_tokens`` cells of ``layout`` (:meth:`Page.to_bytes`)."""
+    return (
+        _HEADER.size
+        + _LAYER.size * layout.n_layer
+        + n_tokens * (layout.ext_bytes + layout.kv_bytes_per_cell)
+    )
 
 
 def page_from_bytes(data: bytes | bytearray | memoryview) -> Page:

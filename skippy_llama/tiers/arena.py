@@ -34,7 +34,7 @@ import numpy.typing as npt
 from ..errors import StateFormatError
 from ..state import KVLayout
 from ..state.format import U8
-from ..state.pages import Page
+from ..state.pages import Page, page_nbytes
 
 
 @dataclass
@@ -176,6 +176,16 @@ class HostArena:
             else:
                 self.v[il][c0 : c0 + n] = page.v[il]
         return ArenaSlot(index, page.start, n, bytes(page.ext.data), page.nbytes)
+
+    def reserve(self, start: int, n_tokens: int, after: int | None = None) -> ArenaSlot | None:
+        """A free slot for the cells of positions ``[start, start + n_tokens)``, which its
+        caller writes (the runtime's export of a record's new cells straight from the KV
+        tensors, ``runtime/export.py``) instead of :meth:`put`; taken after slot ``after`` when
+        free, as :meth:`put` does. None when the arena is full or the page would not fit."""
+        if not self._free or not 0 < n_tokens <= self.page_tokens or self.layout.ext_bytes:
+            return None
+        index = self._take(after)
+        return ArenaSlot(index, start, n_tokens, b"", page_nbytes(self.layout, n_tokens))
 
     def _take(self, after: int | None) -> int:
         want = self._next if after is None else after + 1

@@ -149,3 +149,55 @@ def test_nonsense_bus_probes_teach_nothing() -> None:
     assert costs.restore_cost(10**6, tier="l3") is None
     costs.observe_restore(10**6, 0.01, tier="l3")
     assert costs.restore_rate("l3") == pytest.approx(1e-8)  # the first sample, no prior
+
+
+# -- the park rule weighs the reuse chance and what L3 already holds (issue 45 item 4)
+
+
+def h100_fa_off() -> CostModel:
+    """An H100 with flash attention off (issue 45): 2k tokens prefill in 160 ms, a park or
+    a checkpoint restore of them copies the transposed V for 60-80 ms."""
+    costs = CostModel()
+    costs.observe_prefill(2048, 0.160)
+    costs.observe_park(0.070)
+    costs.observe_checkpoint_restore(0.062)
+    return costs
+
+
+def test_a_park_pays_only_as_often_as_prefixes_return() -> None:
+    costs = h100_fa_off()
+    # certain to return, the park (70 ms) buys a 160 ms prefill for a 62 ms restore
+    assert costs.park_pays(2048)
+    saving, cost = costs.park_gain(2048) or (0.0, 0.0)
+    assert saving == pytest.approx(0.098) and cost == pytest.approx(0.070)
+    # one-shot prompts: after a few departures that never returned it no longer pays
+    assert not costs.park_pays(2048, reuse=0.5)
+    assert costs.park_pays(2048, reuse=0.8)
+
+
+def test_a_park_never_pays_for_a_prefix_l3_brings_back_faster_than_a_checkpoint() -> None:
+    costs = h100_fa_off()
+    costs.observe_restore(46 << 20, 0.020, tier="l3")  # 46 MB from L3 in 20 ms
+    # the last record handed all but the reply's 16 tokens to L3: a return costs 20 ms of
+    # pages and 1.25 ms of prefill, less than the checkpoint restore alone
+    kept = {"recorded_tokens": 2032, "recorded_bytes": 46 << 20, "tier": "l3"}
+    recall = costs.recall_cost(2048, **kept)  # type: ignore[arg-type]
+    assert recall == pytest.approx(0.020 + 0.160 * 16 / 2048)
+    assert not costs.park_pays(2048, **kept)  # type: ignore[arg-type]
+    # a tier never measured is estimated at the probed bus's rate; nothing probed: prefill
+    fresh = h100_fa_off()
+    unknown = {"recorded_tokens": 2032, "recorded_bytes": 46 << 20, "tier": "l3"}
+    assert fresh.recall_cost(2048, **unknown) == pytest.approx(0.160)  # type: ignore[arg-type]
+    fresh.observe_bus(1 << 30, 0.020)  # 54 GB/s
+    assert not fresh.park_pays(2048, **unknown)  # type: ignore[arg-type]
+
+
+def test_on_the_cpu_a_park_is_cheap_insurance_and_stays() -> None:
+    cpu = CostModel()
+    cpu.observe_prefill(500, 2.2)  # SmolLM2 on two loaded cores: 230 tokens a second
+    cpu.observe_park(0.010)
+    cpu.observe_checkpoint_restore(0.005)
+    # even a prefix that returns one time in ten repays a 10 ms park
+    assert cpu.park_pays(500, reuse=0.1)
+    assert not cpu.park_pays(500, reuse=0.001)
+    assert AlwaysRestore().park_pays(1, reuse=0.0)

@@ -362,3 +362,25 @@ def test_a_promoted_read_finds_pages_read_from_l3_in_l2s_arena_without_counting_
     assert not TierPages([]).promoted_in_arena(refs)
     with TierPages([]).promoted_read(refs) as none:
         assert none is None
+
+
+def test_reserved_slots_hold_what_is_written_into_them_as_pages(spec: Spec) -> None:
+    # the runtime's export writes a record's cells straight into reserved slots (patch 0006's
+    # skippy_kv_cells_get); here the same bytes are written through the arena's views
+    pages = pages_of(spec, 20)
+    arena = HostArena(pages[0].layout, PAGE, 3)
+    slots = [arena.reserve(page.start, page.n_tokens) for page in pages]
+    assert all(slots) and [s.index for s in slots if s] == [0, 1, 2]
+    assert arena.reserve(20, 1) is None  # full
+    for slot, page in zip(slots, pages, strict=True):
+        assert slot is not None and slot.nbytes == page.nbytes
+        view = arena.page(slot)
+        for il in range(page.layout.n_layer):
+            view.k[il][...] = page.k[il]
+            view.v[il][...] = page.v[il]
+        assert arena.page(slot).to_bytes() == page.to_bytes()
+    runs = arena.runs((s, s.start, s.end) for s in slots if s is not None)
+    assert runs == [ArenaRun(0, 20)]
+    assert slots[0] is not None
+    arena.free(slots[0])
+    assert arena.reserve(0, PAGE + 1) is None  # longer than a slot
