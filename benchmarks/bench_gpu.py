@@ -56,6 +56,7 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+from record_paths import BEFORE_MODE, ParksAsBefore, capture_as_before
 
 from skippy_llama import hostmem
 from skippy_llama.config import Settings
@@ -432,9 +433,17 @@ def _makers(model: str, common: dict[str, Any], tmp: str) -> dict[str, Any]:
 
         return make
 
+    def before() -> SkippyLlama:
+        store = Path(tempfile.mkdtemp(dir=tmp))
+        llm = SkippyLlama(
+            model, cache_settings=_settings(store), cost_model=ParksAsBefore(), **common
+        )
+        return capture_as_before(llm)
+
     return {
         "plain": lambda: llama_cpp.Llama(model, **common),
         "skippy": lambda: SkippyLlama(model, cache_settings=Settings(), **common),
+        BEFORE_MODE: before,
         "skippy_l3": with_l3(True),
         "skippy_l3_eager": with_l3(False),
         "skippy_l3_pageable": with_l3(True, pin=False),
@@ -481,21 +490,29 @@ def bench_chat(
 
 
 def bench_oneshot(
-    model: str, length: int, prompts: int, common: dict[str, Any], rounds: int
+    model: str,
+    length: int,
+    prompts: int,
+    common: dict[str, Any],
+    rounds: int,
+    names: tuple[str, ...] = ("skippy", "skippy_l3"),
 ) -> dict[str, Any]:
     """The overhead where nothing can be reused: ``prompts`` unrelated prompts of ``length``
     tokens, 16 greedy tokens each, on one model object per mode and round (plain ``Llama``,
-    SkippyLlama's defaults, SkippyLlama with L3 on: every prompt is recorded, none is read).
-    Ratios: per round, a mode's total over plain's; the median over rounds, with min and max."""
+    then ``names``: SkippyLlama's defaults, SkippyLlama with L3 on: every prompt is recorded,
+    none is read; ``skippy_l3_before``: L3 on with the record path and park rule before issue
+    45 item 4, ``record_paths.py``). Ratios: per round, a mode's total over plain's; the median
+    over rounds, with min and max."""
     rng = np.random.default_rng(11)
     work = [[int(t) for t in rng.integers(100, 30000, length)] for _ in range(prompts)]
     out: dict[str, Any] = {"tokens": length, "prompts": prompts, "rounds": rounds}
     with tempfile.TemporaryDirectory() as tmp:
         makers = _makers(model, common, tmp)
-        modes = ["plain", "skippy", "skippy_l3"]
+        modes = ["plain", *[m for m in names if m != "plain"]]
         totals: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(rounds):
-            for name in modes[r % 3 :] + modes[: r % 3]:
+            shift = r % len(modes)
+            for name in modes[shift:] + modes[:shift]:
                 llm = makers[name]()
                 started = time.perf_counter()
                 for prompt in work:
@@ -546,6 +563,12 @@ def main() -> None:
         nargs="*",
         default=[],
         help="prompt lengths of the nothing-to-reuse workload (8 unrelated prompts each)",
+    )
+    parser.add_argument(
+        "--oneshot-modes",
+        default="skippy,skippy_l3",
+        help="comma-separated, beside plain: skippy, skippy_l3, skippy_l3_before (the record "
+        "path and park rule before issue 45 item 4: a same-run baseline)",
     )
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--flash-attn", type=int, default=1)
@@ -627,7 +650,8 @@ def main() -> None:
         report["chats"].append(chat)
     report["oneshot"] = []
     for n in args.oneshot:
-        row = bench_oneshot(args.model, n, 8, common, max(args.rounds, 1))
+        modes = tuple(args.oneshot_modes.split(","))
+        row = bench_oneshot(args.model, n, 8, common, max(args.rounds, 1), modes)
         print(
             "oneshot",
             n,

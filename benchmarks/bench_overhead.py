@@ -7,7 +7,8 @@ exactness costs without any cache, see ``PromptReuseLlama``), ``skippy``
 (``SkippyLlama`` with default settings: L1 on, L2 and L3 off) and ``skippy_l3`` (``SkippyLlama``
 with L3 ``fixed`` 1GiB in a fresh temporary directory); ``SKIPPY_BENCH_MODES`` picks others, such
 as ``skippy_l3_eager`` and ``skippy_l3_defer`` (L3 records made at once, or left waiting as on GPU
-builds). Workloads:
+builds) and ``skippy_l3_before`` (the record path and park rule before issue 45 item 4,
+``record_paths.py``: a same-session baseline). Workloads:
 
 * ``chat``: one linear chat (``create_chat_completion``), each turn a ~150-token user message
   and a greedy reply of at most 48 tokens (SmolLM2 stops after 12), growing past 3,000 tokens
@@ -99,6 +100,7 @@ from skippy_llama.runtime.llama import SkippyLlama
 # the workloads, sizes and round order are shared with their test (tests/overhead_workloads.py)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from overhead_workloads import (
+    BEFORE_MODE,
     CASES,
     DEFER_MODES,
     MODES,
@@ -115,6 +117,7 @@ from overhead_workloads import (
     restart_warmup,
     round_order,
 )
+from record_paths import ParksAsBefore, capture_as_before
 
 #: Profile groups: a function belongs to a group when it lives in skippy_llama and its name
 #: contains one of the substrings. Times are inclusive and groups may nest (capture includes
@@ -366,6 +369,11 @@ def make_model(mode: str, l3_dir: Path) -> llama_cpp.Llama:
     if mode == "skippy":
         return SkippyLlama(path, cache_settings=Settings(), **common)
     l3 = {"mode": "fixed", "budget": "1GiB", "directory": str(l3_dir), "minimum_free": "1GiB"}
+    if mode == BEFORE_MODE:
+        before = SkippyLlama(
+            path, cache_settings=Settings(l3=l3), cost_model=ParksAsBefore(), **common
+        )
+        return capture_as_before(before)
     llm = SkippyLlama(path, cache_settings=Settings(l3=l3), **common)
     if mode in DEFER_MODES:
         llm.defer_record_tokens = DEFER_MODES[mode]

@@ -19,7 +19,11 @@ from skippy_llama.runtime.llama import DEFER_RECORD_TOKENS
 #: ``skippy_l3`` with its L3 records made at once (``eager``) or left waiting (``defer``) whatever
 #: the backend's default (``SkippyLlama.defer_record_tokens``)
 DEFER_MODES = {"skippy_l3_eager": 0, "skippy_l3_defer": DEFER_RECORD_TOKENS}
-ALL_MODES = ("plain", "plain_exact", "skippy", "skippy_l3", *DEFER_MODES)
+#: ``skippy_l3`` with the record path and park rule before issue 45 item 4 (records captured
+#: through the state format, parks whatever prefixes do): a same-session baseline
+#: (``benchmarks/record_paths.py``)
+BEFORE_MODE = "skippy_l3_before"
+ALL_MODES = ("plain", "plain_exact", "skippy", "skippy_l3", *DEFER_MODES, BEFORE_MODE)
 #: modes to run (``SKIPPY_BENCH_MODES``, comma-separated; ``plain`` always runs: every ratio is
 #: to it)
 MODES = tuple(
