@@ -244,7 +244,8 @@ class SkippyLlama(llama_cpp.Llama):
     @property
     def defer_record_tokens(self) -> int:
         """A record waits while fewer than this many of its tokens are unrecorded (0: never;
-        GPU builds: always; see ``Recorder.defer_tokens``)."""
+        GPU builds that capture through the state format: always; see ``Recorder.defer_tokens``
+        and ``recording.default_defer_tokens``)."""
         return self.recorder.defer_tokens
 
     @defer_record_tokens.setter
