@@ -7,8 +7,11 @@ and a fresh process's first L3 restore.
 run per mode and round, the modes of a round in an order rotated by the round (drift on a shared
 machine must not decide a ratio; compare ratios, not absolute times). Each L3 mode stores pages
 with its own ``l3.compression`` (``l3:zstd``, ``l3:lz4``, ``l3:none``; ``l3`` is the default,
-``auto``). For the L3 modes the run also times, per request, the request path's part of a
-record (``Recorder.after_request``: capture, parse, plan, queue) and its capture alone, and per
+``auto``; ``l3_before``: the default with the record path and park rule before issue 45 item 4,
+``record_paths.py``). For the L3 modes the run also times, per request, the request path's part
+of a record (``Recorder.after_request``: capture, parse, plan, queue; with the export of item 4:
+plan, export started, queue) and its capture alone, the park before the prompt
+(``CacheEvent.park_ms``) and the wait for a previous record's export (``KVSeam.settle``), and per
 record the writer thread's wall and CPU time (cutting, compressing, hashing, writing), with the
 tier's ``encode_us`` counter; ``close()`` (which waits for the writer) is timed apart. Replies
 must equal plain's.
@@ -51,6 +54,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))  # record_paths
 
 N_CTX = 4096
 
@@ -65,7 +69,7 @@ def _git_commit() -> str:
 def _settings(mode: str, directory: str, *, l1: bool = True) -> Any:
     from skippy_llama.config import Settings
 
-    compression = mode.split(":", 1)[1] if ":" in mode else "auto"
+    compression = mode.split(":", 1)[1] if ":" in mode else "auto"  # l3_before: auto
     l3 = {
         "mode": "fixed",
         "budget": "1GiB",
@@ -90,6 +94,8 @@ def run_oneshot(mode: str) -> dict[str, Any]:
     phases: dict[str, list[float]] = {
         "record_path_s": [],
         "capture_s": [],
+        "park_s": [],
+        "export_wait_s": [],
         "writer_wall_s": [],
         "writer_cpu_s": [],
     }
@@ -97,9 +103,27 @@ def run_oneshot(mode: str) -> dict[str, Any]:
     if mode == "plain":
         llm = llama_cpp.Llama(path, **common)
     else:
-        llm = SkippyLlama(path, cache_settings=_settings(mode, tmp.name), **common)
+        if mode == "l3_before":
+            from record_paths import ParksAsBefore, capture_as_before
+
+            before = SkippyLlama(
+                path,
+                cache_settings=_settings(mode, tmp.name),
+                cost_model=ParksAsBefore(),
+                **common,
+            )
+            llm = capture_as_before(before)
+        else:
+            llm = SkippyLlama(path, cache_settings=_settings(mode, tmp.name), **common)
         recorder, seam = llm.recorder, llm.seam
-        after, capture = recorder.after_request, seam.capture
+        after, capture, settle = recorder.after_request, seam.capture, seam.settle
+
+        def timed_settle() -> None:
+            t0 = time.perf_counter()
+            settle()
+            phases["export_wait_s"].append(time.perf_counter() - t0)
+
+        seam.settle = timed_settle  # type: ignore[method-assign]
 
         def timed_after(event: Any) -> None:
             t0 = time.perf_counter()
@@ -140,6 +164,9 @@ def run_oneshot(mode: str) -> dict[str, Any]:
         request_s.append(time.perf_counter() - t0)
         request_cpu_s.append(time.process_time() - c0)
         replies.append(out["choices"][0]["text"])
+        event = getattr(llm, "last_cache_event", None)
+        if event is not None:
+            phases["park_s"].append(event.park_ms / 1e3)
     counters: dict[str, Any] = {}
     bus = getattr(llm, "bus", None)
     t0 = time.perf_counter()
@@ -329,6 +356,18 @@ def summarize(rounds: list[list[dict[str, Any]]], modes: list[str]) -> dict[str,
             if r["mode"] == mode
             for v in r["phases_ms"]["writer_cpu_s"]
         ]
+        park = [
+            sum(r["phases_ms"].get("park_s", []))
+            for runs in rounds
+            for r in runs
+            if r["mode"] == mode
+        ]
+        wait = [
+            sum(r["phases_ms"].get("export_wait_s", []))
+            for runs in rounds
+            for r in runs
+            if r["mode"] == mode
+        ]
         summary[mode] = {
             "total_over_plain_median": round(statistics.median(ratios), 4),
             "total_over_plain_min_max": [round(min(ratios), 4), round(max(ratios), 4)],
@@ -336,6 +375,9 @@ def summarize(rounds: list[list[dict[str, Any]]], modes: list[str]) -> dict[str,
             "record_path_ms_median": round(statistics.median(path), 3) if path else None,
             "capture_ms_median": round(statistics.median(cap), 3) if cap else None,
             "writer_cpu_ms_median": round(statistics.median(wcpu), 3) if wcpu else None,
+            # per run (8 requests): the parks' time and the waits for an export, summed
+            "park_ms_per_run_median": round(statistics.median(park), 3) if park else None,
+            "export_wait_ms_per_run_median": round(statistics.median(wait), 3) if wait else None,
         }
     return summary
 

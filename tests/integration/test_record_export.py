@@ -152,10 +152,10 @@ def test_a_full_arena_or_a_failed_export_costs_a_record_never_an_answer(
         if exporter is None:
             pytest.skip(f"no export on this build: {llm.export_refusal}")
         # no room in the arena: the stock capture records the document instead
-        monkeypatch.setattr(exporter.arena, "reserve", lambda *args, **kwargs: None)
-        llm.eval(doc)
+        with monkeypatch.context() as full:
+            full.setattr(exporter.arena, "reserve", lambda *args, **kwargs: None)
+            llm.eval(doc)
         assert exporter.no_room == 1 and exporter.exports == 0
-        monkeypatch.undo()
         # the library refuses the export: that record is dropped, the answer is not touched
         monkeypatch.setattr(native_ext, "cells_get", lambda *args: False)
         llm.reset()
