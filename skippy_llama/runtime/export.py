@@ -107,7 +107,10 @@ class CellExporter:
         self.settle()
         slots: list[ArenaSlot] = []
         with self._lock:
-            after: int | None = None
+            # from the lowest free slot on: the slots the last records used are free again
+            # by now (the writer made their pages), and their memory is committed and warm;
+            # a cursor would walk fresh memory and fault it in on every export
+            after: int | None = -1
             for start, end in parts:
                 slot = self.arena.reserve(start, end - start, after)
                 if slot is None:

@@ -181,7 +181,8 @@ class HostArena:
         """A free slot for the cells of positions ``[start, start + n_tokens)``, which its
         caller writes (the runtime's export of a record's new cells straight from the KV
         tensors, ``runtime/export.py``) instead of :meth:`put`; taken after slot ``after`` when
-        free, as :meth:`put` does. None when the arena is full or the page would not fit."""
+        free, as :meth:`put` does (``after=-1``: slot 0). None when the arena is full or the
+        page would not fit."""
         if not self._free or not 0 < n_tokens <= self.page_tokens or self.layout.ext_bytes:
             return None
         index = self._take(after)

@@ -384,3 +384,5 @@ def test_reserved_slots_hold_what_is_written_into_them_as_pages(spec: Spec) -> N
     assert slots[0] is not None
     arena.free(slots[0])
     assert arena.reserve(0, PAGE + 1) is None  # longer than a slot
+    again = arena.reserve(0, PAGE, after=-1)  # the export reuses the lowest, warm slots
+    assert again is not None and again.index == 0
