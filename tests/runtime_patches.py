@@ -30,8 +30,10 @@ def gpu_like(set_attr: Setter = setattr) -> None:
 
     def gpu_like_init(self: runtime.SkippyLlama, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        exports = self.seam.exporter is not None
-        self.defer_record_tokens = default_defer_tokens(on_cpu=False, exports=exports)
+        exporter = self.seam.exporter
+        if exporter is not None:
+            exporter.background = True  # the CUDA path: the export on the exporter's thread
+        self.defer_record_tokens = default_defer_tokens(on_cpu=False, exports=bool(exporter))
         self.pipeline_restores = True
 
     set_attr(probes, "canonical_granule", canonical_granule)

@@ -252,10 +252,18 @@ def open_exporter(
     n_ctx: int,
     *,
     pinner: Pinner | None = None,
+    on_device: bool = False,
 ) -> str | None:
     """Give the seam an exporter of records' new cells into arena slots (``export.py``), so
     no capture lands on a request; returns why not (None: on). Where there is none, records
     are captured through the state format (and wait on GPU builds, ``recording.py``).
+
+    The export runs on the exporter's thread where the KV cache is on a device
+    (``on_device``: the thread waits for the device-to-host copies while the request
+    returns); on the CPU on the request thread, right after the decode: there the copy is a
+    memcpy of warm slots (2-3 ms for 500 tokens of SmolLM2), which a thread handed over to,
+    contending for the GIL and the cores, finished later than the next request began
+    (``bench_record_path.py``, ``record-path-s48-hC-2.json``: 5 of 8 requests waited 1-21 ms).
 
     The arena holds ``EXPORT_CONTEXTS`` times the context's cells in whole pages (its memory
     is committed where written, or all at once where it is pinned: CUDA builds, up to
@@ -272,7 +280,7 @@ def open_exporter(
     arena = HostArena(layout, page, EXPORT_CONTEXTS * (-(-n_ctx // page)))
     if pinner is not None and arena.nbytes <= PIN_ARENA_MAX_BYTES and pinner.pin(arena.buffer):
         arena.on_close = lambda: pinner.unpin(arena.buffer)
-    seam.exporter = CellExporter(ctx, arena)
+    seam.exporter = CellExporter(ctx, arena, background=on_device)
     return None
 
 
@@ -329,7 +337,9 @@ def open_page_paths(
             arena = f"{type(exc).__name__}: {exc}"
             log.warning("skippy-llama: no L2 arena (%s)", arena)
     try:
-        export = open_exporter(ctx, seam, cache, layout, verdict, n_ctx, pinner=pinner)
+        export = open_exporter(
+            ctx, seam, cache, layout, verdict, n_ctx, pinner=pinner, on_device=on_device
+        )
     except Exception as exc:  # fail-open: records are captured
         export = f"{type(exc).__name__}: {exc}"
         seam.exporter = None

@@ -5,12 +5,13 @@ Issue 45 measured on an H100 what a record cost the request path where nothing i
 record was captured through the state format (43 ms for 46 MB; the bus needs ~1 ms) on the next
 request's path. Here a record's new cells leave the KV tensors by the patched per-layer copies
 (``skippy_kv_cells_get``, patch 0006) straight into slots of a host arena laid out as those
-tensors are (:class:`~skippy_llama.tiers.arena.HostArena`; pinned on CUDA builds), on a thread
-of their own started right after the request's decode: on CUDA the call queues one
-device-to-host copy per layer and K/V on the backend's stream and waits once, off the request
-thread; on the CPU it is a memory copy. Serializing the pages, compressing, hashing and the L3
-write stay on the L3 writer, which waits for the export before it reads a slot
-(:meth:`CellExport.wait`).
+tensors are (:class:`~skippy_llama.tiers.arena.HostArena`; pinned on CUDA builds), right after
+the request's decode: where the cache is on a device, on a thread of their own (``background``:
+the call queues one device-to-host copy per layer and K/V on the backend's stream and waits
+once, off the request thread); on the CPU on the request thread, where it is a memcpy of warm
+slots and a thread only came later (``runtime/arena_setup.open_exporter``). No state blob is
+written or parsed either way. Serializing the pages, compressing, hashing and the L3 write stay
+on the L3 writer, which waits for the export before it reads a slot (:meth:`CellExport.wait`).
 
 A later request waits only for the export still running (:meth:`CellExporter.settle`), and only
 before it touches the context: llama.cpp's calls on one context must not run on two threads at

@@ -3,10 +3,10 @@
 Only what the record-taking tiers lack is captured: the record continues the stored page tree
 where the prompt leaves it, and only the cells of its new pages leave the context. Where the
 seam has an exporter (patch 0006 certified, ``runtime/export.py``), they are exported into
-arena slots right after the request's decode, on the exporter's thread (an asynchronous
-device-to-host copy on CUDA), and the L3 writer cuts, compresses, hashes and writes the pages
-from there: nothing of the record lands on a request but the plan (a few lookups) and, for the
-next request, the wait for an export still copying. Elsewhere the cells are captured through
+arena slots right after the request's decode (on CUDA on the exporter's thread, by asynchronous
+device-to-host copies; on the CPU a memcpy), and the L3 writer cuts, compresses, hashes and
+writes the pages from there: nothing of the record lands on a request but the plan (a few
+lookups), the CPU's memcpy and, for the next request, the wait for an export still copying. Elsewhere the cells are captured through
 the state format; then on GPU builds every record waits (``Recorder.defer_tokens``): the
 capture is made before another prompt takes the sequence (on that request, which must keep the
 cells first), while idle (``prepare_next_turn``), or on ``close``, never between a reply and
