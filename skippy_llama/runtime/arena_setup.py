@@ -280,7 +280,12 @@ def open_exporter(
     arena = HostArena(layout, page, EXPORT_CONTEXTS * (-(-n_ctx // page)))
     if pinner is not None and arena.nbytes <= PIN_ARENA_MAX_BYTES and pinner.pin(arena.buffer):
         arena.on_close = lambda: pinner.unpin(arena.buffer)
-    seam.exporter = CellExporter(ctx, arena, background=on_device)
+    seam.exporter = CellExporter(
+        ctx,
+        arena,
+        background=on_device,
+        on_error=lambda why: cache.fallback(f"record: {why}"),
+    )
     return None
 
 

@@ -85,10 +85,20 @@ class CellExporter:
             copies run); False runs each export on the caller's thread.
     """
 
-    def __init__(self, ctx: Any, arena: HostArena, *, background: bool = True) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        arena: HostArena,
+        *,
+        background: bool = True,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.arena = arena
         self.background = background
+        #: told why an export on the exporter's thread failed (the cache counts it as a record
+        #: fallback; on the request thread :meth:`start` raises instead)
+        self.on_error = on_error
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._running: Future[None] | None = None
@@ -102,7 +112,11 @@ class CellExporter:
         with nothing started, when the arena has no room for them all.
 
         An export still running is waited for first: one runs at a time, and its slots are
-        never handed out again before it ended."""
+        never handed out again before it ended.
+
+        Raises:
+            TierError: an export on the caller's thread (not ``background``) failed.
+        """
         if not parts:
             return None
         self.settle()
@@ -134,7 +148,10 @@ class CellExporter:
                     raise TierError("skippy_kv_cells_get refused the record's cells")
             except Exception as exc:  # the record is dropped; the request is not concerned
                 export.error = f"{type(exc).__name__}: {exc}"
-                log.warning("skippy-llama: exporting a record's cells failed (%s)", exc)
+                if self.background:
+                    log.warning("skippy-llama: exporting a record's cells failed (%s)", exc)
+                    if self.on_error is not None:
+                        self.on_error(export.error)
             finally:
                 export.done.set()
 
@@ -143,8 +160,11 @@ class CellExporter:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="skippy-export")
             self._running = self._pool.submit(run)
-        else:
-            run()
+            return export
+        run()
+        if export.error is not None:
+            self.release(export)()
+            raise TierError(export.error)
         return export
 
     def release(self, export: CellExport) -> Callable[[], None]:

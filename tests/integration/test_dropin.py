@@ -324,6 +324,8 @@ def test_a_fault_in_any_step_is_a_counted_fallback_with_plain_output(
     monkeypatch.setattr(native, call, _raise(exc))
     if call == "capture_range":  # patched builds capture through the range export instead
         monkeypatch.setattr(native_ext, "range_export", _raise(exc))
+        # ... or export records by per-layer copies (patch 0006, runtime/export.py)
+        monkeypatch.setattr(native_ext, "cells_get", _raise(exc))
     if call == "set_seq_state":  # ... and restore L3 pages by per-layer copies (patch 0006)
         monkeypatch.setattr(native_ext, "cells_set", _raise(exc))
     try:

@@ -155,6 +155,7 @@ def test_a_full_arena_or_a_failed_export_costs_a_record_never_an_answer(
         exporter = llm.seam.exporter
         if exporter is None:
             pytest.skip(f"no export on this build: {llm.export_refusal}")
+        background = exporter.background
         # no room in the arena: the stock capture records the document instead
         with monkeypatch.context() as full:
             full.setattr(exporter.arena, "reserve", lambda *args, **kwargs: None)
@@ -169,7 +170,10 @@ def test_a_full_arena_or_a_failed_export_costs_a_record_never_an_answer(
         counters = llm.prefix_cache.counters_json()
     finally:
         llm.close()
-    assert counters["records"] == 2
+    # on the request thread the failed export is a counted record fallback (and no record);
+    # on the exporter's thread the record was queued, and the writer drops it
+    assert counters["records"] == (2 if background else 1)
+    assert any(reason.startswith("record") for reason in counters["fallbacks"])
     assert (one_shot == _cold(smollm2_path, other, False)).all()
     again = _open(smollm2_path, tmp_path, False, l1=False)
     try:
