@@ -364,6 +364,7 @@ def test_a_promoted_read_finds_pages_read_from_l3_in_l2s_arena_without_counting_
         assert none is None
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_reserved_slots_hold_what_is_written_into_them_as_pages(spec: Spec) -> None:
     # the runtime's export writes a record's cells straight into reserved slots (patch 0006's
     # skippy_kv_cells_get); here the same bytes are written through the arena's views
