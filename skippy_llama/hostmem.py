@@ -18,9 +18,11 @@ faster than ``bytearray`` buffers; 4 KiB pages were not measured there.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 #: What the runtime and the tiers fill with KV bytes and hand to llama.cpp (writable buffers).
 HostBuffer = bytearray | mmap.mmap
@@ -60,6 +62,40 @@ def host_buffer(size: int) -> HostBuffer:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             buf.madvise(advice)
     return buf
+
+
+#: ``MADV_POPULATE_WRITE`` (Linux 5.14): commit pages writable without changing their bytes.
+#: Python 3.11's ``mmap`` does not name it.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+@functools.cache
+def madvise_call() -> Any:
+    """libc's ``madvise`` through ctypes (which lets the GIL go while the kernel works, unlike
+    ``mmap.madvise``). Raises OSError or AttributeError where there is none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    call = libc.madvise
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call
+
+
+def commit(buf: HostBuffer) -> bool:
+    """Commit a mapped buffer's memory now (``MADV_POPULATE_WRITE``: its bytes stay as they
+    are), so that the thread that first writes it later takes no page faults; False where the
+    kernel cannot (before 5.14) or ``buf`` is a ``bytearray`` (zero-filled, so committed, when
+    made). Never raises."""
+    if not isinstance(buf, mmap.mmap) or len(buf) == 0:
+        return False
+    try:
+        madvise = madvise_call()
+    except (OSError, AttributeError):
+        return False
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+    try:
+        return int(madvise(ctypes.addressof(view), len(buf), MADV_POPULATE_WRITE)) == 0
+    finally:
+        del view  # the buffer's export ends here: it can be closed again
 
 
 def fit(buf: HostBuffer | None, size: int) -> HostBuffer:

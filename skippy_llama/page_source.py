@@ -60,6 +60,16 @@ class TierPages:
                 if isinstance(tier, PageTier):
                     tier.promote(page.key, page.payload, prefix_tokens, page.digest)
 
+    def prepare_reads(self, nbytes: int) -> None:
+        """Ready the calling thread for fetches of up to ``nbytes`` of pages in the tiers that
+        read through per-thread buffers and connections (L3's ``prepare_reads``), so that its
+        first fetch takes no page faults and opens nothing (``KVSeam.warm_reads`` calls this
+        on its read-ahead threads)."""
+        for tier in self.tiers:
+            prepare = getattr(tier, "prepare_reads", None)
+            if prepare is not None:
+                prepare(nbytes)
+
     def reads_storage(self, pages: Sequence[PageRef]) -> bool:
         """Whether fetching ``pages`` reads storage or the network (some page's tier is not
         ``in_memory``), so that a restore has reads to overlap."""

@@ -28,7 +28,7 @@ from typing import Any
 import llama_cpp
 
 from ..cache import PrefixCache
-from ..hostmem import Pinner
+from ..hostmem import MADV_POPULATE_WRITE, Pinner, madvise_call
 from ..roster import Verdict
 from ..state import KVLayout
 from ..tiers.arena import HostArena, slot_count
@@ -125,23 +125,11 @@ def open_staging(
     return arenas
 
 
-#: ``MADV_POPULATE_WRITE`` (Linux 5.14): commit pages writable without changing their bytes.
-#: Python 3.11's ``mmap`` does not name it.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: Whether :func:`attach_arena` prefaults a pageable arena (``benchmarks/bench_arena.py`` turns it
 #: off to measure what the prefault saves the first promotion).
 PREFAULT = True
 #: Bytes the prefault thread commits per call (it stops between calls when the arena closes).
 PREFAULT_STEP = 16 << 20
-
-
-@functools.cache
-def _madvise() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    call = libc.madvise
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call
 
 
 def prefault_slots(arena: HostArena, n_ctx: int) -> int:
@@ -177,7 +165,7 @@ def prefault(arena: HostArena, n_slots: int | None = None) -> threading.Thread |
     as they are, so puts may run meanwhile, and the call (through ctypes) lets the GIL go.
     Where the kernel lacks it nothing is done. Returns the thread (None: not on Linux)."""
     try:
-        madvise = _madvise()
+        madvise = madvise_call()
     except (OSError, AttributeError):
         return None
     want = arena.n_slots if n_slots is None else n_slots
@@ -334,6 +322,10 @@ def open_page_paths(
     except Exception as exc:  # fail-open: pages are assembled
         copies = f"{type(exc).__name__}: {exc}"
         seam.page_copies = False
+    if seam.page_copies:
+        # the read-ahead threads' buffers committed before the first restore needs them (after
+        # the staging arenas, which set a chunk's size on device builds)
+        seam.warm_reads(cache.pages, layout, cache.page_tokens)
     arena: str | None = "no pages"
     if cache.ram is not None:
         try:

@@ -38,7 +38,7 @@ from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
 from ..plan import FetchedPage, PageRef, PageSource, RestoreOutcome, RestorePlan
 from ..state import KVLayout, Page, assemble_into, assembled_size, page_from_bytes, parse_layout
-from ..state.pages import state_bytes
+from ..state.pages import page_nbytes, state_bytes
 from ..tiers.arena import ArenaSlot, HostArena
 from ..tiers.base import ParkPlan
 from . import native, native_ext
@@ -56,6 +56,16 @@ PIPELINE_BYTES = 64 << 20
 #: about this many bytes of pages at a time while the previous chunk is copied: the copies run
 #: at memory speed, so chunks shorter than ``PIPELINE_BYTES`` keep both stages busy.
 DIRECT_CHUNK_BYTES = 16 << 20
+
+
+def direct_read_bytes(layout: KVLayout, page_tokens: int, stage_slots: int = 0) -> int:
+    """The bytes of pages one chunk of a direct restore reads (:meth:`KVSeam._direct_steps`:
+    ``stage_slots`` pages where staging arenas hold a chunk) when its pages are whole pages of
+    ``page_tokens`` cells: what each read-ahead thread's buffer must hold, one chunk per
+    thread in flight (:meth:`KVSeam.warm_reads`)."""
+    per_page = max(1, page_tokens * layout.kv_bytes_per_cell)
+    step = stage_slots if stage_slots > 0 else max(1, DIRECT_CHUNK_BYTES // per_page)
+    return step * page_nbytes(layout, page_tokens)
 
 
 def chunks(plan: RestorePlan, layout: KVLayout) -> list[tuple[PageRef, ...]]:
@@ -220,6 +230,36 @@ class KVSeam:
         #: exports records' new cells into arena slots off the request path (``export.py``;
         #: ``runtime/arena_setup.open_exporter``); None: records are captured by :meth:`capture`
         self.exporter: CellExporter | None = None
+
+    def _read_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        if self._direct_ahead is None:
+            self._direct_ahead = (
+                ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-a"),
+                ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-b"),
+            )
+        return self._direct_ahead
+
+    @property
+    def stage_slots(self) -> int:
+        """Pages a chunk of a direct restore stages (the smaller staging arena's slots; 0:
+        no staging arenas, a chunk is about ``DIRECT_CHUNK_BYTES``)."""
+        return min(a.n_slots for a in self.staging) if self.staging is not None else 0
+
+    def warm_reads(self, source: PageSource, layout: KVLayout, page_tokens: int) -> None:
+        """Have each read-ahead thread of :meth:`_direct` (both read side by side, a chunk
+        each) ready its reads of a chunk of whole pages of ``page_tokens`` cells now, in the
+        background (``prepare_reads`` of ``source``, where it has one: ``TierPages``): so that
+        a process's first restore from L3 does not take, on its request, the page faults of
+        fresh read buffers (two chunks' worth, ~2 x 15 MB for SmolLM2) nor open a database
+        connection per thread. Call it after the staging arenas are set (a chunk is then
+        their slots' worth of pages; the arenas commit their own memory, ``arena_setup``). A
+        read submitted meanwhile waits behind it on its thread."""
+        prepare = getattr(source, "prepare_reads", None)
+        if prepare is None or page_tokens <= 0:
+            return
+        nbytes = direct_read_bytes(layout, page_tokens, self.stage_slots)
+        for pool in self._read_pools():
+            pool.submit(prepare, nbytes)
 
     def close(self) -> None:
         """Drop the kept host buffers and stop the read-ahead thread (on close)."""
@@ -475,14 +515,8 @@ class KVSeam:
         read: the restore ends where the pages end, or a shallower plan runs). A copy or parse
         that fails clears what this restore added and returns None: the caller restores the
         plan by the stock state path instead."""
-        stage_slots = min(a.n_slots for a in self.staging) if self.staging is not None else 0
-        steps = self._direct_steps(plan, groups, layout, stage_slots)
-        if self._direct_ahead is None:
-            self._direct_ahead = (
-                ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-a"),
-                ThreadPoolExecutor(1, thread_name_prefix="skippy-direct-b"),
-            )
-        pools = self._direct_ahead
+        steps = self._direct_steps(plan, groups, layout, self.stage_slots)
+        pools = self._read_pools()
         turn = 0
         # the steps read from pages, in order, and the reads in flight or not yet copied: at
         # most one per thread, so a thread's next read (which reuses its read buffer and its

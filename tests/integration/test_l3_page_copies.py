@@ -13,6 +13,7 @@ exactly.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from modelhelpers import Logits, prefill_logits, serve, serve_until, text_tokens
 
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.llama import SkippyLlama
+from skippy_llama.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.model
 
@@ -71,6 +73,14 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
 ) -> None:
     if staged:
         runtime_patches.staged_page_copies(monkeypatch.setattr)
+    prepared: list[tuple[DiskTier, str]] = []
+    prepare = DiskTier.prepare_reads
+
+    def spy(tier: DiskTier, nbytes: int) -> None:
+        prepared.append((tier, threading.current_thread().name))
+        prepare(tier, nbytes)
+
+    monkeypatch.setattr(DiskTier, "prepare_reads", spy)
     prompt, cold, llm = _restarted(smollm2_path, tmp_path, flash_attn)
     try:
         copies = llm.native_verdict.layer_copy
@@ -83,6 +93,7 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
         copied = _count(monkeypatch, llm, "_copy_fetched")
         from_slots = _count(monkeypatch, llm, "_copy_slots")
         from_bytes = _count(monkeypatch, llm, "_copy_pages")
+        l3 = llm.prefix_cache.tier("l3")
         assembled = _count(monkeypatch, llm, "_assemble")
         event, exact = serve(llm, prompt, cold)
     finally:
@@ -97,8 +108,12 @@ def test_a_restart_restores_l3_pages_by_copies_exactly(
             assert from_slots[0] > 0 and from_bytes[0] == 0
         else:
             assert from_bytes[0] > 0
+        # both read-ahead threads readied their reads (buffer, connection) at load
+        names = sorted(name for tier, name in prepared if tier is l3)
+        assert names == ["skippy-direct-a_0", "skippy-direct-b_0"]
     else:
         assert copied[0] == 0 and assembled[0] > 0
+        assert not [name for tier, name in prepared if tier is l3]
 
 
 @pytest.mark.slow

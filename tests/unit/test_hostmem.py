@@ -135,3 +135,20 @@ def test_no_pinner_off_cuda_or_without_offloaded_kv() -> None:
     assert cuda_pinner("CPU", kv_offloaded=True) is None
     assert cuda_pinner("Vulkan", kv_offloaded=True) is None
     assert cuda_pinner("CUDA", kv_offloaded=False) is None
+
+
+def test_commit_keeps_a_mapped_buffers_bytes_and_refuses_bytearrays() -> None:
+    from skippy_llama.hostmem import commit
+
+    buf = host_buffer(MAPPED_BYTES * 2)
+    assert isinstance(buf, mmap.mmap)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[::4096] = 5  # half written, half never touched
+    arr[: MAPPED_BYTES // 2] = 9
+    before = arr.copy()
+    committed = commit(buf)
+    assert (arr == before).all()  # MADV_POPULATE_WRITE changes no byte
+    del arr
+    if committed:
+        buf.close()  # the buffer's export ended: it can be closed
+    assert commit(bytearray(100)) is False

@@ -43,3 +43,21 @@ def test_only_pages_outside_host_ram_read_storage() -> None:
     pages = TierPages([ram, l3])
     assert not pages.reads_storage([ref("l2", b"a")])
     assert pages.reads_storage([ref("l2", b"a"), ref("l3", b"b")])
+
+
+def test_preparing_reads_reaches_the_tiers_that_can_on_the_calling_thread() -> None:
+    import threading
+    from dataclasses import dataclass
+
+    seen: list[tuple[str, int]] = []
+
+    @dataclass
+    class PreparedPages(DictPages):
+        def prepare_reads(self, nbytes: int) -> None:
+            seen.append((threading.current_thread().name, nbytes))
+
+    pages = TierPages([DictPages("l2"), PreparedPages("l3")])
+    worker = threading.Thread(target=pages.prepare_reads, args=(1 << 20,), name="reader-x")
+    worker.start()
+    worker.join()
+    assert seen == [("reader-x", 1 << 20)]  # the tier without it is skipped

@@ -936,3 +936,26 @@ def test_the_writer_thread_runs_below_the_callers_priority(tmp_path: Path) -> No
     if sys.platform.startswith("linux") and process <= 14:
         assert seen["lowered5"] is True and seen["delta5"] == 5
     assert os.getpriority(os.PRIO_PROCESS, 0) == process  # the caller's threads are untouched
+
+
+def test_prepared_reads_use_the_prepared_buffer_and_stay_exact(open_tier: Any) -> None:
+    """``prepare_reads`` (a restore's read-ahead thread, at load) makes and commits the
+    thread's read buffer and opens its connection; the thread's reads then fill that buffer,
+    exactly, and nothing is counted as a lookup or a fault."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tier = open_tier()
+    rec = chain(["a", "b", "c"], size=2 * 1024 * KiB)  # mapped buffers (above 4 MiB)
+    record_now(tier, rec)
+    keys = keys_of(rec)
+    before = tier.status().activity
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(tier.prepare_reads, 8 * 1024 * KiB).result()
+        prepared = pool.submit(lambda: tier._reader._local.buffer).result()
+        assert len(prepared) == 8 * 1024 * KiB
+        assert before == tier.status().activity  # preparing is no lookup
+        got = pool.submit(lambda: [bytes(p) for p in tier.read(keys)]).result()
+        assert pool.submit(lambda: tier._reader._local.buffer).result() is prepared
+        pool.submit(tier.prepare_reads, 1024).result()  # large enough: kept as it is
+        assert pool.submit(lambda: tier._reader._local.buffer).result() is prepared
+    assert got == [p.payload for p in rec.pages]

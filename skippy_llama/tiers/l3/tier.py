@@ -293,6 +293,13 @@ class DiskTier:
         found = self._meta_field(key, "refcount")
         return 0 if found is None else found[1]
 
+    def prepare_reads(self, nbytes: int) -> None:
+        """Ready the calling thread for reads of up to ``nbytes`` of pages ahead of a
+        restore's first read: its read buffer committed, its database connection open
+        (``Reader.prepare``). Never raises."""
+        if self.serving:
+            self._reader.prepare(nbytes)
+
     def note_miss(self) -> None:
         """Count a lookup that found nothing in L3 without calling :meth:`read`."""
         self._parts.counters.add("misses")
