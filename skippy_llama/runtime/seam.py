@@ -37,8 +37,8 @@ import numpy.typing as npt
 from ..errors import StateFormatError, TierError
 from ..hostmem import BufferPool, HostBuffer
 from ..plan import FetchedPage, PageRef, PageSource, RestoreOutcome, RestorePlan
-from ..state import KVLayout, Page, assemble_into, assembled_size, page_from_bytes, parse_layout
-from ..state.pages import page_nbytes, state_bytes
+from ..state import KVLayout, assemble_into, assembled_size, page_from_bytes, parse_layout
+from ..state.pages import PageCells, page_nbytes, page_reader, state_bytes
 from ..tiers.arena import ArenaSlot, HostArena
 from ..tiers.base import ParkPlan
 from . import native, native_ext
@@ -104,29 +104,22 @@ def arena_spans(
     ]
 
 
-def page_span(page: Page, first: int, end: int) -> native_ext.HostSpan:
-    """The span ``skippy_kv_cells_set`` takes for positions ``[first, end)`` of a parsed page,
-    pointing into the page's own bytes: per layer K rows by cell, V rows by cell or (V
-    transposed) ``v_embd`` rows ``page.n_tokens`` cells apart, as an arena of that capacity."""
-    if not page.start <= first < end <= page.end:
+def cells_span(address: int, cells: PageCells, first: int, end: int) -> native_ext.HostSpan:
+    """The span ``skippy_kv_cells_set`` takes for positions ``[first, end)`` of a serialized
+    page at ``address`` (whose cells :meth:`~skippy_llama.state.pages.PageReader.cells`
+    located), pointing into the page's own bytes: per layer K rows by cell, V rows by cell or
+    (V transposed) ``v_embd`` rows ``cells.n_tokens`` cells apart, as an arena of that
+    capacity."""
+    if not cells.start <= first < end <= cells.end:
         raise StateFormatError(
-            f"cells [{first}, {end}) are not in the page [{page.start}, {page.end})"
+            f"cells [{first}, {end}) are not in the page [{cells.start}, {cells.end})"
         )
-    off = first - page.start
-    layers = page.layout.layers
-    k = np.array([a.ctypes.data + off * a.strides[0] for a in page.k], dtype=np.uint64)
-    if page.layout.v_trans:
-        v = np.array(
-            [a.ctypes.data + off * layer.v_unit for a, layer in zip(page.v, layers, strict=True)],
-            dtype=np.uint64,
-        )
-        # a head or span of a page keeps the whole page's row length
-        row_cells = min(
-            a.strides[0] // layer.v_unit for a, layer in zip(page.v, layers, strict=True)
-        )
-    else:
-        v = np.array([a.ctypes.data + off * a.strides[0] for a in page.v], dtype=np.uint64)
-        row_cells = end - first
+    off = np.uint64(first - cells.start)
+    base = np.uint64(address)
+    k = base + cells.k + off * cells.k_step
+    v = base + cells.v + off * cells.v_step
+    # a transposed V row of the page is the whole page long: the copy strides over the rest
+    row_cells = cells.n_tokens if cells.v_trans else end - first
     return native_ext.HostSpan(end - first, k, v, row_cells)
 
 
@@ -150,16 +143,23 @@ def _cut_to_read(
     return plan.truncated(n_tokens) if n_tokens > plan.floor else None
 
 
+def _address(payload: bytes | memoryview) -> int:
+    """Where ``payload``'s bytes are (they stay put while it is referenced)."""
+    return int(np.frombuffer(payload, dtype=np.uint8).ctypes.data)
+
+
 @dataclass
 class _Fetched:
     """One chunk of a direct restore as the read-ahead thread left it: the pages read (a short
-    read ends the restore with them) and their parsed views (into the reading thread's buffer,
-    valid until that thread's next read). With a staging arena (``stage``), ``staged`` gives
-    per page its slot there, or None for a page to copy from L2's arena (the read promoted it
-    there) or, where that no longer holds it, from its own bytes."""
+    read ends the restore with them; their payloads are views into the reading thread's
+    buffer, valid until that thread's next read) and, per page, its payload's address and
+    where its cells lie (None: a page of another layout, which the copies refuse). With a
+    staging arena (``stage``), ``staged`` gives per page its slot there, or None for a page to
+    copy from L2's arena (the read promoted it there) or, where that no longer holds it, from
+    its own bytes."""
 
     got: list[FetchedPage]
-    pages: list[Page]
+    pages: list[tuple[int, PageCells | None]]
     stage: HostArena | None = None
     staged: list[ArenaSlot | None] = field(default_factory=list)
 
@@ -507,13 +507,13 @@ class KVSeam:
     ) -> RestoreOutcome | None:
         """A page restore by per-layer copies, no state blob: each run of pages held in L2's
         arena (``groups``; none without one) is copied from its slots, every other page from
-        its own fetched bytes (:func:`page_span`) or, with staging arenas, from the slots
+        its own fetched bytes (:func:`cells_span`) or, with staging arenas, from the slots
         the read staged it in, in position order. The other pages are read a chunk
         (``DIRECT_CHUNK_BYTES``) at a time by two read-ahead threads side by side, each chunk
-        read, verified, parsed and promoted (into L2's arena, where there is one) while the
-        chunks before it are read or copied. A page that fails its digest ends the read (a short
-        read: the restore ends where the pages end, or a shallower plan runs). A copy or parse
-        that fails clears what this restore added and returns None: the caller restores the
+        read, verified, located (``PageReader``) and promoted (into L2's arena, where there is
+        one) while the chunks before it are read or copied. A page that fails its digest ends
+        the read (a short read: the restore ends where the pages end, or a shallower plan
+        runs). A copy or parse that fails clears what this restore added and returns None: the caller restores the
         plan by the stock state path instead."""
         steps = self._direct_steps(plan, groups, layout, self.stage_slots)
         pools = self._read_pools()
@@ -532,7 +532,12 @@ class KVSeam:
                 stage = self.staging[turn] if self.staging is not None else None
                 reads.append(
                     pools[turn].submit(
-                        self._read_pages, plan.pages[i0:i1], source, plan.n_tokens, stage
+                        self._read_pages,
+                        plan.pages[i0:i1],
+                        source,
+                        plan.n_tokens,
+                        layout,
+                        stage,
                     )
                 )
 
@@ -579,7 +584,7 @@ class KVSeam:
                     chunk = reads[0].result()
                     n_got = len(chunk.got)
                     if n_got:
-                        pos = self._copy_fetched(plan, chunk, i0, pos, layout, source)
+                        pos = self._copy_fetched(plan, chunk, i0, pos, source)
                     reads.popleft()  # copied: its thread may read again
                     fetched += chunk.got
                     if n_got == len(refs):
@@ -634,34 +639,44 @@ class KVSeam:
         refs: tuple[PageRef, ...],
         source: PageSource,
         prefix_tokens: int,
+        layout: KVLayout,
         stage: HostArena | None = None,
     ) -> _Fetched:
-        """A read-ahead thread's stage of :meth:`_direct`: ``refs`` fetched (verified), parsed,
-        and offered to the shallower tiers (L2's arena copies them there) before this thread's
-        next read reuses its buffer; then, with a staging arena, each page that L2's arena did
-        not take is copied into slot i of ``stage`` (a page already in the arena is not copied
-        twice). A page that does not parse ends the chunk there."""
+        """A read-ahead thread's stage of :meth:`_direct`: ``refs`` fetched (verified), their
+        cells located in their bytes (``PageReader``: no views are made), and offered to the
+        shallower tiers (L2's arena copies them there) before this thread's next read reuses
+        its buffer; then, with a staging arena, each page that L2's arena did not take is
+        copied into slot i of ``stage`` from its bytes (a page already in the arena is not
+        copied twice). A page that does not parse ends the chunk there."""
         got = source.fetch(refs)
-        pages: list[Page] = []
-        for fetched in got:
+        reader = page_reader(layout)
+        pages: list[tuple[int, PageCells | None]] = []
+        for page in got:
             try:
-                pages.append(page_from_bytes(fetched.payload))
+                cells: PageCells | None = reader.cells(page.payload)
             except StateFormatError:
-                break
+                try:
+                    page_from_bytes(page.payload)
+                except StateFormatError:
+                    break
+                cells = None  # a page, of another layout: the copy refuses it (the state path)
+            pages.append((_address(page.payload), cells))
         got = got[: len(pages)]
         if got:
             source.promote(got, prefix_tokens)
         if stage is None:
             return _Fetched(got, pages)
         promoted = getattr(source, "promoted_in_arena", None)
+        # the cells were located in the context's layout: the staging arena must have it too
+        same = stage.layout == layout
         staged: list[ArenaSlot | None] = []
-        for i, (ref, parsed) in enumerate(zip(refs, pages, strict=False)):
+        for i, (ref, page, (_, cells)) in enumerate(zip(refs, got, pages, strict=False)):
             if promoted is not None and promoted((ref,)):
                 staged.append(None)  # promoted: copied from L2's arena
-            elif i < stage.n_slots and stage.fits(parsed):
-                staged.append(stage.write(i, parsed))
+            elif same and cells is not None and i < stage.n_slots and stage.fits_cells(cells):
+                staged.append(stage.write_cells(i, page.payload, cells))
             else:
-                staged.append(None)  # copied from its own bytes
+                staged.append(None)  # copied from its own bytes (or refused there)
         return _Fetched(got, pages, stage, staged)
 
     def _copy_fetched(
@@ -670,7 +685,6 @@ class KVSeam:
         chunk: _Fetched,
         first: int,
         pos: int,
-        layout: KVLayout,
         source: PageSource,
     ) -> int:
         """Append the cells of a fetched chunk (pages ``first ..`` of ``plan``), continuing
@@ -678,7 +692,7 @@ class KVSeam:
         staging arena, pages the read promoted from L2's arena (locked and verified as an L2
         restore is), the others (or ones L2 dropped meanwhile) from their own bytes."""
         if chunk.stage is None:
-            return self._copy_pages(plan, chunk.pages, first, pos, layout)
+            return self._copy_pages(plan, chunk.pages, first, pos)
         n = len(chunk.pages)
         i = 0
         while i < n:
@@ -690,21 +704,21 @@ class KVSeam:
                 slots = [slot for slot in chunk.staged[i:j] if slot is not None]
                 pos = self._copy_slots(plan, chunk.stage, slots, first + i, pos)
             else:
-                pos = self._copy_promoted(plan, chunk.pages[i:j], first + i, pos, layout, source)
+                pos = self._copy_promoted(plan, chunk.pages[i:j], first + i, pos, source)
             i = j
         return pos
 
     def _copy_promoted(
         self,
         plan: RestorePlan,
-        pages: list[Page],
+        pages: list[tuple[int, PageCells | None]],
         first: int,
         pos: int,
-        layout: KVLayout,
         source: PageSource,
     ) -> int:
         """Append pages ``first ..`` of ``plan`` from L2's arena, as far as it still holds
-        them, and the rest from their own bytes (``pages``); returns the next position."""
+        them, and the rest from their own bytes (``pages``: each one's address and cells,
+        :meth:`_read_pages`); returns the next position."""
         refs = plan.pages[first : first + len(pages)]
         promoted_read = getattr(source, "promoted_read", None)
         held = 0
@@ -715,27 +729,28 @@ class KVSeam:
                     pos = self._copy_slots(plan, arena, slots, first, pos)
                     held = len(slots)
         if held < len(pages):
-            pos = self._copy_pages(plan, pages[held:], first + held, pos, layout)
+            pos = self._copy_pages(plan, pages[held:], first + held, pos)
         return pos
 
     def _copy_pages(
-        self, plan: RestorePlan, pages: list[Page], first: int, pos: int, layout: KVLayout
+        self, plan: RestorePlan, pages: list[tuple[int, PageCells | None]], first: int, pos: int
     ) -> int:
-        """Append the cells of pages ``first ..`` of ``plan`` (parsed, ``pages``, each in the
-        context's ``layout``) from their own bytes, continuing the sequence at position
-        ``pos``; returns the next position."""
+        """Append the cells of pages ``first ..`` of ``plan`` (``pages``: each one's address
+        and cells, :meth:`_read_pages`) from their own bytes, continuing the sequence at
+        position ``pos``; returns the next position."""
         spans: list[native_ext.HostSpan] = []
         p0 = pos
-        for ref, page in zip(plan.pages[first : first + len(pages)], pages, strict=True):
-            got = page.layout
-            if got.layers != layout.layers or got.v_trans != layout.v_trans or got.ext_bytes:
+        for ref, (address, cells) in zip(
+            plan.pages[first : first + len(pages)], pages, strict=True
+        ):
+            if cells is None:
                 raise StateFormatError("a page's layout differs from the context's")
-            end = page.start + ref.used
-            if not page.start <= pos < end <= page.end:
+            end = cells.start + ref.used
+            if not cells.start <= pos < end <= cells.end:
                 raise StateFormatError(
-                    f"page [{page.start}, {page.end}) does not continue position {pos} to {end}"
+                    f"page [{cells.start}, {cells.end}) does not continue position {pos} to {end}"
                 )
-            spans.append(page_span(page, pos, end))
+            spans.append(cells_span(address, cells, pos, end))
             pos = end
         if not native_ext.cells_set(self.ctx, WORKING_SEQ, p0, spans):
             raise TierError("skippy_kv_cells_set refused the pages' cells")

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from ..errors import StateFormatError
 from ..state import KVLayout
 from ..state.format import U8
-from ..state.pages import Page, page_nbytes
+from ..state.pages import Page, PageCells, page_nbytes
 
 
 @dataclass
@@ -176,6 +176,37 @@ class HostArena:
             else:
                 self.v[il][c0 : c0 + n] = page.v[il]
         return ArenaSlot(index, page.start, n, bytes(page.ext.data), page.nbytes)
+
+    def fits_cells(self, cells: PageCells) -> bool:
+        """Whether a serialized page whose cells ``cells`` locates can be held here by
+        :meth:`write_cells`: located in this arena's layout (the caller's to know: a
+        ``PageReader`` of it), no more cells than a slot."""
+        return 0 < cells.n_tokens <= self.page_tokens and cells.v_trans == self.layout.v_trans
+
+    def write_cells(
+        self, index: int, data: bytes | bytearray | memoryview, cells: PageCells
+    ) -> ArenaSlot:
+        """Copy the cells of the serialized page ``data`` (located by a ``PageReader`` of this
+        arena's layout, ``cells``; :meth:`fits_cells`) into slot ``index``, as :meth:`write`
+        copies a parsed page, whatever the slot held (a restore's staging arena reuses its
+        slots chunk after chunk, ``runtime/seam.py``): the page is not parsed into views first.
+        """
+        if not 0 <= index < self.n_slots:
+            raise ValueError(f"slot {index} of an arena of {self.n_slots}")
+        if not self.fits_cells(cells):
+            raise ValueError(f"a page of {cells.n_tokens} cells in slots of {self.page_tokens}")
+        src = np.frombuffer(data, dtype=np.uint8)
+        c0, n = index * self.page_tokens, cells.n_tokens
+        for il, layer in enumerate(self.layout.layers):
+            k0 = int(cells.k[il])
+            self.k[il][c0 : c0 + n] = src[k0 : k0 + n * layer.k_row].reshape(n, layer.k_row)
+            v0, vn = int(cells.v[il]), n * layer.v_bytes_per_cell()
+            if self.layout.v_trans:
+                u = layer.v_unit
+                self.v[il][:, c0 * u : (c0 + n) * u] = src[v0 : v0 + vn].reshape(layer.v_embd, -1)
+            else:
+                self.v[il][c0 : c0 + n] = src[v0 : v0 + vn].reshape(n, -1)
+        return ArenaSlot(index, cells.start, n, b"", page_nbytes(self.layout, n))
 
     def reserve(self, start: int, n_tokens: int, after: int | None = None) -> ArenaSlot | None:
         """A free slot for the cells of positions ``[start, start + n_tokens)``, which its

@@ -241,15 +241,21 @@ def _resident(address: int) -> int:
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_page_spans_point_at_the_pages_own_cells(spec: Spec) -> None:
+    """``cells_span`` over a page's bytes as L3 serves them (located by ``PageReader``, no
+    views) gives the addresses of the cells ``page_from_bytes``'s views hold."""
     import ctypes
 
-    from skippy_llama.runtime.seam import page_span
+    from skippy_llama.runtime.seam import cells_span
     from skippy_llama.state import page_from_bytes
+    from skippy_llama.state.pages import page_reader
 
     whole = pages_of(spec, 20)[1].to_bytes()  # positions [8, 16), as L3 serves it
     page = page_from_bytes(whole)
-    for view, first, end in [(page, 8, 16), (page.head(5), 8, 13), (page.span(11, 16), 11, 16)]:
-        span = page_span(view, first, end)
+    cells = page_reader(page.layout).cells(whole)
+    address = np.frombuffer(whole, dtype=np.uint8).ctypes.data
+    assert (cells.start, cells.n_tokens) == (page.start, page.n_tokens)
+    for first, end in [(8, 16), (8, 13), (11, 16)]:
+        span = cells_span(address, cells, first, end)
         n, off = end - first, first - page.start
         assert span.n_cells == n
         for il, layer in enumerate(page.layout.layers):
@@ -265,9 +271,33 @@ def test_page_spans_point_at_the_pages_own_cells(spec: Spec) -> None:
             else:
                 v = ctypes.string_at(int(span.v[il]), n * layer.v_unit)
                 assert v == page.v[il][off : end - page.start].tobytes()
-    assert page.to_bytes() == whole
     with pytest.raises(StateFormatError):
-        page_span(page, 7, 12)
+        cells_span(address, cells, 7, 12)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_a_page_reader_refuses_what_page_from_bytes_refuses_and_other_layouts(spec: Spec) -> None:
+    from skippy_llama.state import page_from_bytes
+    from skippy_llama.state.pages import PageReader
+
+    whole = pages_of(spec, 20)[1].to_bytes()
+    reader = PageReader(page_from_bytes(whole).layout)
+    bad = [
+        whole[:20],  # truncated header
+        b"XXXX" + whole[4:],  # magic
+        whole[:-1],  # a size that does not add up
+        whole + b"\0",
+    ]
+    for data in bad:
+        with pytest.raises(StateFormatError):
+            page_from_bytes(data)
+        with pytest.raises(StateFormatError):
+            reader.cells(data)
+    other = Spec(n_layer=3, v_trans=spec.v_trans, n_embd_v=(16, 16, 16))
+    foreign = pages_of(other, 20)[1].to_bytes()
+    assert page_from_bytes(foreign).layout != reader.layout  # a page, of another layout
+    with pytest.raises(StateFormatError, match="layout differs"):
+        reader.cells(foreign)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
@@ -387,3 +417,36 @@ def test_reserved_slots_hold_what_is_written_into_them_as_pages(spec: Spec) -> N
     assert arena.reserve(0, PAGE + 1) is None  # longer than a slot
     again = arena.reserve(0, PAGE, after=-1)  # the export reuses the lowest, warm slots
     assert again is not None and again.index == 0
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_write_cells_puts_a_serialized_page_in_a_slot_as_write_does(spec: Spec) -> None:
+    """A restore's staging arena takes each page from its bytes as L3 serves them, located by
+    ``PageReader`` (``runtime/seam.py``): the slot then holds what :meth:`HostArena.write` of
+    the parsed page puts there, a tail page included, whatever the slot held."""
+    from skippy_llama.state import page_from_bytes
+    from skippy_llama.state.pages import page_reader
+
+    pages = pages_of(spec, 20)
+    arena = HostArena(pages[0].layout, PAGE, 2)
+    reader = page_reader(arena.layout)
+    for index, page in [(0, pages[0]), (1, pages[1]), (0, pages[2])]:
+        whole = page.to_bytes()
+        cells = reader.cells(whole)
+        assert arena.fits_cells(cells)
+        slot = arena.write_cells(index, memoryview(whole), cells)
+        want = HostArena(arena.layout, PAGE, 2)
+        expect = want.write(index, page_from_bytes(whole))
+        assert (slot.index, slot.start, slot.n_tokens, slot.ext, slot.nbytes) == (
+            expect.index,
+            expect.start,
+            expect.n_tokens,
+            expect.ext,
+            expect.nbytes,
+        )
+        assert arena.page(slot).to_bytes() == whole
+        want.close()
+    assert arena.free_slots == 2  # the free list is the caller's
+    with pytest.raises(ValueError):
+        arena.write_cells(2, pages[0].to_bytes(), reader.cells(pages[0].to_bytes()))
+    arena.close()
