@@ -217,7 +217,7 @@ class PrefixCache:
     def can_prefetch(self) -> bool:
         """Whether the cache has a tier :meth:`prefetch` fills (L2) and a page tier after it to
         read from (whether they serve now, each prefetch asks)."""
-        return prefetch_target([t for t in self.tiers if isinstance(t, PageTier)]) is not None
+        return prefetch_target(list(self._page_tiers)) is not None
 
     def prefetch(
         self,
@@ -248,7 +248,7 @@ class PrefixCache:
     def resident_tokens(self, prompt: Prompt) -> int:
         """Leading tokens of ``prompt`` the live sequence or L1 would serve now: the planner's
         answer without the page tiers (no side effects)."""
-        pages = frozenset(t.name for t in self.tiers if isinstance(t, PageTier))
+        pages = frozenset(t.name for t in self._page_tiers)
         return self.planner.plan(prompt, exclude=pages).n_tokens
 
     def fallback(self, reason: str) -> None:

@@ -92,6 +92,8 @@ class HostArena:
         self.n_slots = n_slots
         self.capacity = n_slots * page_tokens
         self.nbytes = self.capacity * layout.kv_bytes_per_cell
+        # asked for on every fill (the layout sums its layers each time)
+        self._slot_bytes = page_tokens * layout.kv_bytes_per_cell
         # anonymous memory: the kernel commits a page when it is first written, so an arena
         # sized to the whole L2 budget costs only what L2 holds (until it is pinned)
         self.buffer = mmap.mmap(-1, self.nbytes)
@@ -137,7 +139,7 @@ class HostArena:
     @property
     def slot_bytes(self) -> int:
         """Host bytes one slot takes, whatever the page in it holds."""
-        return self.page_tokens * self.layout.kv_bytes_per_cell
+        return self._slot_bytes
 
     @property
     def free_slots(self) -> int:
