@@ -234,3 +234,38 @@ def test_pages_promoted_while_read_are_copied_from_l2s_arena(
     finally:
         seam.close()
         ram.close()
+
+
+def test_warm_reads_ready_both_read_threads_for_a_staged_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KVSeam.warm_reads`` (at load) has each of the two read-ahead threads, which read side
+    by side, prepare its reads of one chunk: with staging arenas a chunk is their slots'
+    worth of whole pages. A restore afterwards is the same."""
+    import threading
+
+    from skippy_llama.state.pages import page_nbytes
+
+    seam, kv, pages, l3 = setup(monkeypatch, SPECS[1], 4 * PAGE, staging_pages=2)
+    seen: list[tuple[str, int]] = []
+
+    @dataclass
+    class PreparedL3(DictL3):
+        def prepare_reads(self, nbytes: int) -> None:
+            seen.append((threading.current_thread().name, nbytes))
+
+    tier = PreparedL3(l3.held)
+    layout = pages[0].layout
+    try:
+        seam.warm_reads(TierPages([tier]), layout, PAGE)
+        for pool in seam._read_pools():
+            pool.submit(lambda: None).result()  # behind the preparation on its thread
+        assert sorted(seen) == [
+            ("skippy-direct-a_0", 2 * page_nbytes(layout, PAGE)),
+            ("skippy-direct-b_0", 2 * page_nbytes(layout, PAGE)),
+        ]
+        outcome = seam.execute(plan_of(pages, 4 * PAGE), TierPages([tier]), layout)
+        assert outcome.restored and outcome.fallbacks == []
+        assert kv.cells == expected(pages)
+    finally:
+        seam.close()
