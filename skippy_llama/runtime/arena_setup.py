@@ -326,6 +326,7 @@ def open_page_paths(
         # the read-ahead threads' buffers committed before the first restore needs them (after
         # the staging arenas, which set a chunk's size on device builds)
         seam.warm_reads(cache.pages, layout, cache.page_tokens)
+        cache.costs.commit_streams()
     arena: str | None = "no pages"
     if cache.ram is not None:
         try:

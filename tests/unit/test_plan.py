@@ -280,6 +280,21 @@ def test_first_touch_is_paid_once_per_process_up_to_the_largest_restore() -> Non
     assert costs.first_touch_cost(2 * moved) == pytest.approx(moved * 4e-9)
 
 
+def test_restores_streamed_through_committed_buffers_plan_no_first_touch() -> None:
+    """Where restores stream through buffers committed at load (the seam's page copies), the
+    first L3 restore is planned at the bus and its reads alone (8 ns < 10 ns) and goes ahead;
+    the same costs without it stay cold (the first test above)."""
+    tokens = toks(300)
+    l3 = FakePages("l3").hold(tokens[:256])
+    costs = first_restore_costs()
+    costs.commit_streams()
+    moved = 256 * BYTES_PER_TOKEN
+    assert costs.first_touch_cost(moved) == 0.0
+    plan = planner(l3, costs=costs).plan(Prompt(tokens, 298))
+    assert (plan.tier, plan.n_tokens) == ("l3", 256)
+    assert plan.expected_s == pytest.approx(moved * 8e-9)
+
+
 def test_an_unprobed_first_restore_is_tried() -> None:
     """Without a probe nothing is known of a restore: it is tried, which measures it."""
     tokens = toks(300)
