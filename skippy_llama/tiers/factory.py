@@ -171,7 +171,11 @@ def _disk(context: TierContext) -> DiskTier | None:
     if settings.l3.mode == "off":
         return None
     if not context.pageable:
-        log.warning("skippy-llama: %s: L2/L3 off, L1 only", context.unpageable_reason)
+        log.warning(
+            "skippy-llama: %s: no L2/L3 pages (L1 only; restore points, where the model gets "
+            "them, still go to L3 and the remote tier)",
+            context.unpageable_reason,
+        )
         return None
     l3 = settings.l3
     if l3.compression == "auto":
