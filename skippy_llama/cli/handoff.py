@@ -181,15 +181,13 @@ def cmd_import(args: argparse.Namespace) -> int:
             points = import_points(tier, bundle)
         finally:
             tier.close()
-        if args.json:
-            print(json.dumps(vars(points), indent=2))
-        else:
-            print(
-                f"imported {points.points} restore point(s) at {points.tokens} tokens (model "
-                f"{points.model_identity}) signed by {points.signer} ({points.signer_file})"
-                + ("" if points.stored else "; L3's policy did not keep all of them")
-            )
-        return 0 if points.stored else 1
+        return _imported(
+            args,
+            points,
+            f"imported {points.points} restore point(s) at {points.tokens} tokens (model "
+            f"{points.model_identity}) signed by {points.signer} ({points.signer_file})"
+            + ("" if points.stored else "; L3's policy did not keep all of them"),
+        )
     try:
         result = import_bundle(tier, args.bundle, args.trust)
     except BundleRefused as exc:
@@ -197,13 +195,18 @@ def cmd_import(args: argparse.Namespace) -> int:
         return 3
     finally:
         tier.close()
-    if args.json:
-        print(json.dumps(vars(result), indent=2))
-    else:
-        print(
-            f"imported prefix {result.manifest_id} ({result.tokens} tokens, {result.pages} "
-            f"pages, model {result.model_identity}) signed by {result.signer} "
-            f"({result.signer_file})"
-            + ("" if result.stored else "; L3's policy did not keep all of it")
-        )
+    return _imported(
+        args,
+        result,
+        f"imported prefix {result.manifest_id} ({result.tokens} tokens, {result.pages} "
+        f"pages, model {result.model_identity}) signed by {result.signer} "
+        f"({result.signer_file})"
+        + ("" if result.stored else "; L3's policy did not keep all of it"),
+    )
+
+
+def _imported(args: argparse.Namespace, result: Any, line: str) -> int:
+    """Print an import's result (``--json``: its fields) and its exit status: 0 when L3 kept
+    everything, 1 when its policy did not."""
+    print(json.dumps(vars(result), indent=2) if args.json else line)
     return 0 if result.stored else 1
