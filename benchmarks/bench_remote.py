@@ -61,6 +61,12 @@ def start_server(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
     argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen([*argv, "--dir", str(directory)], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
+    ping_until_up(url)
+    return proc, url
+
+
+def ping_until_up(url: str) -> None:
+    """Wait (up to 30 s) until the server just started at ``url`` answers a PING."""
     client = redis.Redis.from_url(url)
     for _ in range(600):
         try:
@@ -69,7 +75,6 @@ def start_server(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
         except redis.exceptions.ConnectionError:
             time.sleep(0.05)
     client.close()
-    return proc, url
 
 
 def make_record() -> tuple[PrefixRecord, list[bytes]]:

@@ -221,7 +221,7 @@ def _restart(model: Path, l3: Path, remote: tuple[str, Path] | None = None) -> d
 
 def _start_redis(binary: str, scratch: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     """A ``redis-server`` on a Unix socket in ``scratch``: (process, url, secret file)."""
-    import redis
+    from bench_remote import ping_until_up  # imports redis: only where a server is asked for
 
     sock = scratch / "redis.sock"
     proc = subprocess.Popen(
@@ -231,14 +231,7 @@ def _start_redis(binary: str, scratch: Path) -> tuple[subprocess.Popen[bytes], s
         stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"unix://{sock}?db=0"
-    client = redis.Redis.from_url(url)
-    for _ in range(600):
-        try:
-            client.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    client.close()
+    ping_until_up(url)
     secret = scratch / "remote.key"
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)
