@@ -81,11 +81,13 @@ def tiered_llama(
     n_ctx: int,
     flash_attn: bool = False,
     l2_budget: str | None = None,
+    l1: bool = False,
 ) -> SkippyLlama:
-    """SkippyLlama with L1 off, an L3 in ``store``, L2 only given ``l2_budget``, and every
-    restore taken (``AlwaysRestore``), so that a test sees the page tiers serve."""
+    """SkippyLlama with L1 off (unless ``l1``), an L3 in ``store``, L2 only given
+    ``l2_budget``, and every restore taken (``AlwaysRestore``), so that a test sees the page
+    tiers serve."""
     settings = Settings(
-        l1={"enabled": False},
+        l1={"enabled": l1},
         l2={"budget": l2_budget} if l2_budget is not None else {},
         l3={"mode": "fixed", "budget": "1GiB", "directory": str(store), "minimum_free": "1GiB"},
     )

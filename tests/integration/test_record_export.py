@@ -17,13 +17,10 @@ from typing import Any
 
 import llama_cpp
 import pytest
-from modelhelpers import TEXT, last_logits
+from modelhelpers import TEXT, last_logits, prefill_logits, tiered_llama
 
-from skippy_llama.config import Settings
-from skippy_llama.costs import AlwaysRestore
 from skippy_llama.runtime import native_ext
 from skippy_llama.runtime.export import CellExport
-from skippy_llama.runtime.llama import SkippyLlama
 from skippy_llama.state import parse_state, slice_state, sort_by_position
 
 pytestmark = pytest.mark.model
@@ -47,40 +44,13 @@ def _tokens(path: Path) -> tuple[list[int], list[int]]:
         llm.close()
 
 
-def _cold(path: Path, tokens: list[int], flash_attn: bool) -> Any:
-    plain = llama_cpp.Llama(
-        str(path), n_ctx=N_CTX, n_batch=512, flash_attn=flash_attn, verbose=False
-    )
-    try:
-        plain.eval(tokens)
-        return last_logits(plain)
-    finally:
-        plain.close()
-
-
-def _open(path: Path, directory: Path, flash_attn: bool, *, l1: bool = True) -> SkippyLlama:
-    settings = Settings(
-        l1={"enabled": l1},
-        l3={"mode": "fixed", "budget": "1GiB", "directory": str(directory), "minimum_free": "1GiB"},
-    )
-    return SkippyLlama(
-        str(path),
-        n_ctx=N_CTX,
-        n_batch=512,
-        flash_attn=flash_attn,
-        verbose=False,
-        cache_settings=settings,
-        cost_model=AlwaysRestore(),
-    )
-
-
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa_off", "fa_on"])
 def test_an_exported_record_then_a_one_shot_then_its_restore_equal_cold(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flash_attn: bool
 ) -> None:
     tokens, other = _tokens(smollm2_path)
     doc, query = tokens[:DOC], tokens[DOC:]
-    llm = _open(smollm2_path, tmp_path, flash_attn)
+    llm = tiered_llama(smollm2_path, tmp_path, n_ctx=N_CTX, flash_attn=flash_attn, l1=True)
     try:
         copies = llm.native_verdict.layer_copy
         assert (llm.export_refusal is None) == copies, llm.export_refusal
@@ -130,9 +100,11 @@ def test_an_exported_record_then_a_one_shot_then_its_restore_equal_cold(
     assert threads and all(name.startswith("skippy-export") == background for name in threads)
     assert status["export"]["exports"] == 2 and status["export"]["no_room"] == 0
     assert status["counters"]["records"] == 2
-    assert (one_shot == _cold(smollm2_path, other, flash_attn)).all()
+    assert (
+        one_shot == prefill_logits(smollm2_path, other, n_ctx=N_CTX, flash_attn=flash_attn)
+    ).all()
     # a restart restores the first record from L3 alone
-    again = _open(smollm2_path, tmp_path, flash_attn, l1=False)
+    again = tiered_llama(smollm2_path, tmp_path, n_ctx=N_CTX, flash_attn=flash_attn)
     try:
         again.eval(doc + query)
         event = again.last_cache_event
@@ -141,7 +113,9 @@ def test_an_exported_record_then_a_one_shot_then_its_restore_equal_cold(
         again.close()
     assert event is not None and event.tier == "l3" and event.cached_tokens >= 512
     assert event.fallbacks == []
-    assert (restored == _cold(smollm2_path, doc + query, flash_attn)).all()
+    assert (
+        restored == prefill_logits(smollm2_path, doc + query, n_ctx=N_CTX, flash_attn=flash_attn)
+    ).all()
 
 
 @pytest.mark.slow
@@ -150,7 +124,7 @@ def test_a_full_arena_or_a_failed_export_costs_a_record_never_an_answer(
 ) -> None:
     tokens, other = _tokens(smollm2_path)
     doc, query = tokens[:DOC], tokens[DOC:]
-    llm = _open(smollm2_path, tmp_path, False)
+    llm = tiered_llama(smollm2_path, tmp_path, n_ctx=N_CTX, flash_attn=False, l1=True)
     try:
         exporter = llm.seam.exporter
         if exporter is None:
@@ -174,8 +148,8 @@ def test_a_full_arena_or_a_failed_export_costs_a_record_never_an_answer(
     # on the exporter's thread the record was queued, and the writer drops it
     assert counters["records"] == (2 if background else 1)
     assert any(reason.startswith("record") for reason in counters["fallbacks"])
-    assert (one_shot == _cold(smollm2_path, other, False)).all()
-    again = _open(smollm2_path, tmp_path, False, l1=False)
+    assert (one_shot == prefill_logits(smollm2_path, other, n_ctx=N_CTX, flash_attn=False)).all()
+    again = tiered_llama(smollm2_path, tmp_path, n_ctx=N_CTX, flash_attn=False)
     try:
         again.eval(doc + query)
         event = again.last_cache_event
@@ -186,5 +160,7 @@ def test_a_full_arena_or_a_failed_export_costs_a_record_never_an_answer(
     finally:
         again.close()
     assert event is not None and event.tier == "l3" and event.cached_tokens >= 512
-    assert (restored == _cold(smollm2_path, doc + query, False)).all()
+    assert (
+        restored == prefill_logits(smollm2_path, doc + query, n_ctx=N_CTX, flash_attn=False)
+    ).all()
     assert missed is not None and missed.cached_tokens <= 1
