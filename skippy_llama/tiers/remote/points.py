@@ -132,14 +132,7 @@ class RemotePoints:
     ) -> tuple[RestorePoint, int]:
         """The point in record ``value`` read from ``name``, its pages read and checked; and
         the bytes read. Raises _Miss."""
-        store = self.store
-        if not isinstance(value, bytes):
-            raise _Miss("foreign", name)
-        try:
-            frame = codec.unpack(store._signer, name, codec.KIND_POINT, value)
-        except codec.FrameError as exc:
-            raise _Miss(exc.reason, name) from None
-        record = frame.body
+        record = self._body(name, codec.KIND_POINT, value)
         try:
             if not is_composed(record):
                 return unpack_point(record, root=root, key=key), len(value)
@@ -153,6 +146,16 @@ class RemotePoints:
             raise _Miss("damaged_point", name) from None
         point = RestorePoint(composed.tokens, blob, len(composed.tail))
         return point, len(value) + n_read
+
+    def _body(self, name: bytes, kind: int, value: Any) -> Any:
+        """The body of ``value`` read from ``name``, checked to be a ``kind`` frame signed
+        under this key. Raises _Miss (``foreign``, or the frame's reason)."""
+        if not isinstance(value, bytes):
+            raise _Miss("foreign", name)
+        try:
+            return codec.unpack(self.store._signer, name, kind, value).body
+        except codec.FrameError as exc:
+            raise _Miss(exc.reason, name) from None
 
     def _pages(self, ident: str, refs: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes], int]:
         """The pages ``refs`` names, each verified (frame, and the digest its record keeps),
@@ -169,13 +172,7 @@ class RemotePoints:
             for (_, digest), name, value in zip(batch, names, values, strict=True):
                 if value is None:
                     raise _Miss("point_page_missing")  # evicted: the next push sends it again
-                if not isinstance(value, bytes):
-                    raise _Miss("foreign", name)
-                try:
-                    frame = codec.unpack(store._signer, name, codec.KIND_POINT_PAGE, value)
-                except codec.FrameError as exc:
-                    raise _Miss(exc.reason, name) from None
-                page = bytes(frame.body)
+                page = bytes(self._body(name, codec.KIND_POINT_PAGE, value))
                 if page_digest(page) != digest:
                     # authentic under this key but not what the record names (another point's
                     # page of the same key would be identical): never servable here
