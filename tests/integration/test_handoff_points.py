@@ -164,7 +164,8 @@ def test_restore_points_move_by_bundle_and_serve_exactly(
     assert (exported["page_bytes"] == 0) == (family == "mamba2")
     again = _skippy(path, _tiers(tmp_path / "b"), n_ctx=1024)
     try:
-        assert _check(path, again, [*doc, 1, 2, 3]) == ("l3", 302)
+        # two tokens after the point: the stock build decodes no lone one (lone_free_points)
+        assert _check(path, again, [*doc, 1, 2, 3, 4]) == ("l3", 302)
         assert _check(path, again, doc[:280]) == ("l3", 256)
     finally:
         again.close()
@@ -179,7 +180,7 @@ def test_gemma3_restore_points_move_by_bundle(
     doc = [int(t) for t in rng.integers(3, 200_000, size=600)]
     llm = _skippy(gemma3_path, _tiers(tmp_path / "a"), n_ctx=1024)
     try:
-        points_or_skip(llm, "gemma3")
+        points_or_skip(llm, "gemma3", swa=True)
         assert _check(gemma3_path, llm, [*doc, 1, 2]) == ("cold", 0)
         align = llm.restore_points.align  # type: ignore[union-attr]
     finally:

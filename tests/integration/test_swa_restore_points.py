@@ -45,7 +45,7 @@ def test_gemma3_points_in_l3_survive_a_restart(
     doc = _doc(600)
     llm = _skippy(gemma3_path, _tiers(tmp_path / "l3"), n_ctx=1024)
     try:
-        points_or_skip(llm, "gemma3")
+        points_or_skip(llm, "gemma3", swa=True)
         assert llm.restore_points is not None and llm.restore_points.window == 512
         assert _check(gemma3_path, llm, [*doc, 1, 2, 3]) == ("cold", 0)
         # points only on multiples of SWA_ALIGN and n_ubatch (512 by default; 64 in the
