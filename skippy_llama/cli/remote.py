@@ -73,6 +73,21 @@ def format_status(report: dict[str, Any]) -> str:
                 else ""
             )
         )
+        if entry.get("restore_points") or entry.get("restore_point_pages"):
+            lines.append(
+                f"    restore points: {entry['restore_points']} records, "
+                f"{entry['restore_point_pages']} pages, "
+                f"{human_size(entry['restore_point_bytes'])}; "
+                f"{entry.get('restore_point_lengths', 0)} lengths listed"
+            )
+    act = tier["activity"]
+    queue = tier.get("point_queue")
+    lines.append(
+        f"  restore points (this client): served {act['point_hits']}, missed "
+        f"{act['point_misses']}, pushed {act['point_writes']}, dropped {act['points_dropped']}"
+        f" (queue full {act['point_queue_full']})"
+        + (f", waiting {queue['points']}" if queue else "")
+    )
     return "\n".join(lines)
 
 
@@ -93,7 +108,7 @@ def _identities(store: Any, model_identity: str | None, cache_identity: str | No
         known = sorted({mid for entry in inventory.values() for mid in entry["models"]})
         raise ConfigError(
             f"unknown model identity {model_identity!r} on the remote server; known: "
-            f"{', '.join(known) or 'none (no manifests under this secret)'}"
+            f"{', '.join(known) or 'none (no manifests or restore points under this secret)'}"
         )
     return found
 
@@ -118,13 +133,27 @@ def change(args: argparse.Namespace, what: str) -> int:
         print(json.dumps(results, indent=2))
     elif what == "clear":
         removed = sum(r["keys_removed"] for r in results)
-        print(f"cleared {removed} remote keys ({scope})")
+        print(
+            f"cleared {removed} remote keys ({scope}), among them "
+            f"{sum(r['restore_points_removed'] for r in results)} restore points and "
+            f"{sum(r['restore_point_pages_removed'] for r in results)} of their pages"
+        )
     else:
+
+        def total(field: str) -> int:
+            return sum(int(r[field]) for r in results)
+
         print(
             f"pruned the remote tier ({scope}): "
-            f"{sum(r['manifests_cut'] for r in results)} prefixes cut back, "
-            f"{sum(r['pages_removed'] for r in results)} unreachable pages and "
-            f"{sum(r['manifests_removed_bad'] for r in results)} bad manifests removed"
+            f"{total('manifests_cut')} prefixes cut back, "
+            f"{total('pages_removed')} unreachable pages and "
+            f"{total('manifests_removed_bad')} bad manifests removed; restore points: "
+            f"{total('points_checked')} checked, "
+            f"{total('points_removed_unservable')} removed for a lost page and "
+            f"{total('points_removed_bad')} bad ones, "
+            f"{total('point_pages_removed')} of their pages and "
+            f"{total('point_lengths_removed')} length entries removed"
+            + (f"; {total('foreign_keys')} foreign keys skipped" if total("foreign_keys") else "")
         )
     return 0
 

@@ -300,7 +300,8 @@ class RestorePointPath:
             yield from on_tokens(llama_cpp.Llama.generate(llm, tokens, *args, **kwargs), seen)
         finally:
             event.suffix_tokens = event.prompt_tokens - event.cached_tokens
-            # the deeper tiers take the point after the reply, off the time to first token
+            # the deeper tiers take the point after the reply, off the time to first token (L3
+            # writes it here; the remote tier only queues its push for a background writer)
             for point in taken:
                 self._offer(point)
             finished(event)
@@ -440,7 +441,9 @@ class RestorePointPath:
                     clear()
 
     def close(self) -> None:
-        """Close the tiers (L3 lands nothing pending: its point writes are synchronous)."""
+        """Close the tiers in order: L3 (its point writes are synchronous) drains its writer,
+        which runs the remote pushes queued on it while the remote store is still open; the
+        remote tier then drains its own lane (without L3) and closes."""
         if self.trace is not None:
             self.trace.close()
         for tier in self.tiers:

@@ -100,6 +100,7 @@ def build_point_tiers(settings: Settings) -> list[PointTier]:
     set. Fails open like :func:`build_tiers` (an L3 that cannot serve is left out); the remote
     tier's configuration fails closed (:class:`~skippy_llama.errors.ConfigError`)."""
     tiers: list[PointTier] = []
+    disk: DiskTier | None = None
     if settings.l3.mode != "off":
         disk = DiskTier(settings.l3)
         if disk.serving:
@@ -113,11 +114,15 @@ def build_point_tiers(settings: Settings) -> list[PointTier]:
                 disk.reason,
             )
             disk.close()
+            disk = None
     if settings.remote.enabled:
-        from .remote.points import RemotePoints  # the optional `remote` extra (redis)
+        from .remote.points import JobLane, Lane, RemotePoints  # the `remote` extra (redis)
         from .remote.store import RemoteStore
 
-        tiers.append(RemotePoints(RemoteStore(settings.remote)))
+        # pushes leave the request path on L3's writer, as the paged cache's do; without L3
+        # on a writer of the same kind of their own
+        lane: Lane = disk if disk is not None else JobLane()
+        tiers.append(RemotePoints(RemoteStore(settings.remote), lane))
     return tiers
 
 

@@ -63,7 +63,9 @@ def _push(path: Path, l3: Path, url: str, secret: Path, doc: list[int], n_ctx: i
     try:
         points_or_skip(llm, path.stem, swa="gemma" in path.stem)
         assert _check(path, llm, doc) == ("cold", 0)
-        activity = _remote(llm).status()["activity"]
+        tier = _remote(llm)
+        assert tier.flush()  # pushes run on L3's background writer, off the request
+        activity = tier.status()["activity"]
         assert activity["point_writes"] >= 1 and activity["points_dropped"] == 0
     finally:
         llm.close()
@@ -97,6 +99,7 @@ def test_a_host_with_an_empty_l3_restores_from_remote(
         assert [t.name for t in llm.restore_points.tiers] == ["remote"]  # type: ignore[union-attr]
         assert _check(path, llm, [*doc, 7, 8, 9, 10, 11, 12]) == ("remote", 94)
         assert _check(path, llm, [*doc, 7, 8, 9, 10, 11, 12, 13, 14]) == ("l1", 96)
+        assert _remote(llm).flush()  # without L3, on a writer of the tier's own
         assert _remote(llm).status()["activity"]["point_writes"] == 2
     finally:
         llm.close()

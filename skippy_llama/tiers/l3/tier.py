@@ -441,6 +441,15 @@ class DiskTier:
             return False
         return self._writer.record(rec)
 
+    def defer(self, run: Callable[[], object], nbytes: int) -> bool:
+        """Call ``run`` on the background writer after the records queued before it (the remote
+        tier pushes restore points so, as it pushes pages from here after L3 stored them);
+        ``nbytes`` it holds meanwhile count against the writer's byte bound. False when the
+        tier is closed or the queue is full: nothing is queued, the caller counts the drop."""
+        if self._closed or self._parts.store is None:
+            return False
+        return self._writer.job(run, nbytes)
+
     # ------------------------------------------------------------------ flush and close
 
     def flush(self, timeout: float = 10.0) -> bool:

@@ -14,6 +14,12 @@ the writer takes a record with, so the capture is never released mid-read); once
 taken the record, a lookup waits for the write to end (:meth:`Writer.wait_written`) and reads
 the store. So a lookup racing a write is a hit, never a cold prefill.
 
+The same queue and thread run jobs (:meth:`Writer.job`): work that must leave the request path
+and happen after the records queued before it, such as pushing a restore point to the remote
+tier after L3 stored it. Jobs share the queue's bounds: a full queue refuses one, and its caller
+counts the drop. :func:`job_writer` makes a writer with no store behind it, for jobs only (the
+remote tier's pushes where there is no L3).
+
 When idle the thread runs the tier's housekeeping (storing hits and counters, a batch of
 reconciliation). A storage fault while writing drops the record and is counted; an exception of
 any other kind is a bug and is logged as an error (``health.fault`` tells them apart).
@@ -30,8 +36,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ...config import L3Settings
 from ..records import PageBlob, PrefixRecord
+from .auth import Signer
 from .context import Parts
+from .health import Health
+from .stats import Counters
 
 GiB = 1 << 30
 #: Records waiting for the writer may hold at most this many payload bytes in RAM.
@@ -49,12 +59,15 @@ WRITE_WAIT_S = 5.0
 
 @dataclass(eq=False)
 class _Queued:
-    """A record in the queue; ``taken`` once the writer thread started writing it (from then on
-    its capture may be released at any moment and is never read here)."""
+    """A record (or a job: ``run``) in the queue; ``taken`` once the writer thread started
+    writing it (from then on its capture may be released at any moment and is never read
+    here). ``size``: the bytes it holds in RAM while it waits."""
 
-    rec: PrefixRecord
+    rec: PrefixRecord | None
     taken: bool = False
     new: dict[bytes, PageBlob] = field(default_factory=dict)  # its new pages by key
+    run: Callable[[], object] | None = None
+    size: int = 0
 
 
 def lower_thread_priority(nice: int) -> bool:
@@ -86,8 +99,10 @@ class Writer:
         idle: Callable[[], bool],
         *,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        name: str = "skippy-l3-writer",
     ) -> None:
         self.parts = parts
+        self.name = name
         self._write = write
         self._idle = idle
         self._max_bytes = max_queued_bytes
@@ -104,7 +119,7 @@ class Writer:
     def record(self, rec: PrefixRecord) -> bool:
         """Queue ``rec``; False (counted) when the queue or its byte bound is full."""
         size = rec.payload_bytes
-        item = _Queued(rec, new={p.key: p for p in rec.pages if p.payload is not None})
+        item = _Queued(rec, new={p.key: p for p in rec.pages if p.payload is not None}, size=size)
         with self._lock:
             full = self._bytes + size > self._max_bytes
             if not full:
@@ -121,6 +136,26 @@ class Writer:
             for page in item.new.values():
                 self._pages.setdefault(page.key, []).append(item)
                 self._kids.setdefault(page.parent, {})[page.key] = page.tokens
+        self.start()
+        return True
+
+    def job(self, run: Callable[[], object], nbytes: int) -> bool:
+        """Queue ``run`` to be called on the writer thread after the records and jobs queued
+        before it; ``nbytes``: what it holds in RAM until then, charged to the queue's byte
+        bound. False, and nothing queued, when the queue or that bound is full or the thread
+        is stopped (the caller counts the drop; the request path never waits). ``run`` must
+        not raise: an exception is a bug, logged and counted (``internal_errors``)."""
+        if self._stop.is_set():
+            return False
+        item = _Queued(None, run=run, size=nbytes)
+        with self._lock:
+            if self._bytes + nbytes > self._max_bytes:
+                return False
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                return False
+            self._bytes += nbytes
         self.start()
         return True
 
@@ -180,7 +215,7 @@ class Writer:
 
     def _unqueue(self, item: _Queued) -> None:
         with self._written:
-            self._bytes -= item.rec.payload_bytes
+            self._bytes -= item.size
             for page in item.new.values():
                 holders = self._pages.get(page.key, [])
                 if item in holders:
@@ -199,9 +234,7 @@ class Writer:
             return
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="skippy-l3-writer", daemon=True
-                )
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
 
     def _loop(self) -> None:
@@ -218,12 +251,17 @@ class Writer:
                 break
             self._take(item)  # before cutting: lookups stop reading its capture
             try:
-                self._write(item.rec)
+                if item.rec is not None:
+                    self._write(item.rec)
+                elif item.run is not None:
+                    item.run()
             except Exception as exc:  # the thread must not die; bugs are logged as errors
-                self.parts.health.fault(exc, "record")
-                self.parts.counters.add("dropped_writes")
+                self.parts.health.fault(exc, "record" if item.rec is not None else "job")
+                if item.rec is not None:
+                    self.parts.counters.add("dropped_writes")
             finally:
-                item.rec.drop()  # the capture's buffer, where the write stopped before cutting
+                if item.rec is not None:
+                    item.rec.drop()  # the capture's buffer, where the write stopped before cutting
                 self._unqueue(item)
                 self._queue.task_done()
             busy = self._housekeeping()
@@ -256,3 +294,19 @@ class Writer:
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(None)
             self._thread.join(timeout=2.0)
+
+
+def job_writer(
+    name: str, *, queue_size: int = 64, nice: int = 10, max_queued_bytes: int = MAX_QUEUED_BYTES
+) -> Writer:
+    """A writer with no store behind it, for :meth:`Writer.job` only (records are refused
+    there: it has nothing to write them to): the same bounded queue and low-priority thread as
+    L3's, for background work of a process that runs without L3."""
+    settings = L3Settings(writer_queue=queue_size, writer_nice=nice)
+    counters = Counters()
+    parts = Parts(settings, Health(settings, counters), counters, Signer(None))
+
+    def no_record(rec: PrefixRecord) -> None:
+        raise RuntimeError("a job writer has no store for records (a bug)")
+
+    return Writer(parts, no_record, lambda: False, max_queued_bytes=max_queued_bytes, name=name)

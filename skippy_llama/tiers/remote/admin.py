@@ -1,6 +1,11 @@
 """The remote tier's operator calls (``kv-cache status|prune|clear --remote``): what the server
 holds per cache identity, clear by identity, prune what can no longer be served.
 
+Restore points (records ``r:``, their pages ``q:``, the length index ``n:`` and the owner
+``o:``, issue 46) are counted, cleared and pruned with the pages and manifests of their cache
+identity (``points_admin.py``); ``--model-identity`` finds an identity by its manifests or by the
+owner its points name.
+
 Unlike the request path these raise :class:`~skippy_llama.errors.TierError` when the server
 cannot be reached, so the CLI reports it; they walk the namespace with SCAN (never KEYS), in
 pipelined batches.
@@ -19,7 +24,8 @@ from ..l3.auth import Signer
 from ..l3.schema import Manifest
 from . import codec
 from .client import failure_reason
-from .keys import CHILDREN, MANIFEST, PAGE, POINT, POINT_LENGTHS, POINT_PAGE, Keys
+from .keys import CHILDREN, MANIFEST, PAGE, POINT, POINT_LENGTHS, POINT_OWNER, POINT_PAGE, Keys
+from .points_admin import PointAdmin
 
 #: Keys per SCAN step and per pipelined batch.
 SCAN_COUNT = 1000
@@ -27,6 +33,9 @@ SCAN_COUNT = 1000
 
 class Admin:
     """Operator calls over one client, key scheme and secret."""
+
+    #: keys per SCAN step and per pipelined batch
+    batch = SCAN_COUNT
 
     def __init__(
         self,
@@ -41,6 +50,7 @@ class Admin:
         self._signer = signer
         self.settings = settings
         self._bad_value = bad_value
+        self._points = PointAdmin(self)
 
     def _unavailable(self, exc: BaseException) -> TierError:
         return TierError(
@@ -48,11 +58,15 @@ class Admin:
             f"{failure_reason(exc)}: {exc}"
         )
 
-    def _each(self, command: str, names: Sequence[bytes]) -> list[Any]:
+    def _each(
+        self, command: str, names: Sequence[bytes], *, raise_on_error: bool = True
+    ) -> list[Any]:
+        """One pipelined round trip of ``command name`` per name; without ``raise_on_error``
+        a failed command's result is its exception (a foreign value of another type)."""
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             getattr(pipe, command)(name)
-        results: list[Any] = pipe.execute()
+        results: list[Any] = pipe.execute(raise_on_error=raise_on_error)
         return results
 
     def server_status(self) -> dict[str, Any]:
@@ -66,6 +80,7 @@ class Admin:
             info: dict[str, Any] = self._client.info()
             inventory: dict[str, dict[str, Any]] = {}
             manifests: list[bytes] = []
+            owners: list[bytes] = []
             for name, size in self._scan_sizes(self.keys.pattern()):
                 parsed = self.keys.parse(name)
                 if parsed is None:
@@ -76,7 +91,7 @@ class Admin:
                     {"pages": 0, "manifests": 0, "child_entries": 0, "bytes": 0,
                      "other_secrets": 0, "models": {}, "codecs": {},
                      "restore_points": 0, "restore_point_pages": 0,
-                     "restore_point_bytes": 0},
+                     "restore_point_bytes": 0, "restore_point_lengths": 0},
                 )  # fmt: skip
                 if secret != self.keys.secret:
                     entry["other_secrets"] += 1
@@ -85,6 +100,10 @@ class Admin:
                     entry["child_entries"] += size
                     continue
                 if kind == POINT_LENGTHS:
+                    entry["restore_point_lengths"] += size
+                    continue
+                if kind == POINT_OWNER:
+                    owners.append(name)
                     continue
                 entry["bytes"] += size
                 if kind in (POINT, POINT_PAGE):  # restore points (issue 46): records + pages
@@ -102,6 +121,9 @@ class Admin:
                 entry["models"][man.model_identity] = man.model_name
                 # prefixes per page codec: a lossy identity's are cachegen/<version>
                 entry["codecs"][man.codec] = entry["codecs"].get(man.codec, 0) + 1
+            # the model an identity's restore points belong to (it may have no manifest)
+            for ident, mid, label in self._points.owners(owners):
+                inventory[ident]["models"].setdefault(mid, label)
         except redis.exceptions.RedisError as exc:
             raise self._unavailable(exc) from None
         version = info.get("valkey_version") or info.get("redis_version")
@@ -148,10 +170,13 @@ class Admin:
         """The manifests under ``names`` that verify (others are counted and skipped)."""
         for start in range(0, len(names), SCAN_COUNT):
             batch = names[start : start + SCAN_COUNT]
-            values = self._each("get", batch)
+            values = self._each("get", batch, raise_on_error=False)
             for name, value in zip(batch, values, strict=True):
                 parsed = self.keys.parse(name)
                 if value is None or parsed is None:
+                    continue
+                if not isinstance(value, bytes):  # a value of another type
+                    self._bad_value("foreign")
                     continue
                 try:
                     frame = codec.unpack(self._signer, name, codec.KIND_MANIFEST, value)
@@ -174,25 +199,42 @@ class Admin:
         Raises:
             TierError: the server cannot be reached or answers with an error.
         """
+        kinds = {POINT: 0, POINT_PAGE: 0}
         removed = 0
         try:
             batch: list[bytes] = []
             for name in self._scan(self.keys.pattern(identity_hex)):
                 batch.append(name)
                 if len(batch) >= SCAN_COUNT:
-                    removed += int(self._client.unlink(*batch))
+                    removed += self._unlink_counted(batch, kinds)
                     batch = []
             if batch:
-                removed += int(self._client.unlink(*batch))
+                removed += self._unlink_counted(batch, kinds)
         except redis.exceptions.RedisError as exc:
             raise self._unavailable(exc) from None
-        return {"identity": identity_hex, "keys_removed": removed}
+        return {
+            "identity": identity_hex,
+            "keys_removed": removed,
+            "restore_points_removed": kinds[POINT],
+            "restore_point_pages_removed": kinds[POINT_PAGE],
+        }
+
+    def _unlink_counted(self, names: list[bytes], kinds: dict[bytes, int]) -> int:
+        """UNLINK ``names`` (one pipelined round trip); how many existed, and of those the
+        kinds in ``kinds`` counted there."""
+        removed = self._each("unlink", names)
+        for name, n in zip(names, removed, strict=True):
+            parsed = self.keys.parse(name)
+            if n and parsed is not None and parsed[2] in kinds:
+                kinds[parsed[2]] += 1
+        return sum(int(n) for n in removed)
 
     def prune(self, identity_hex: str | None = None) -> dict[str, Any]:
         """Remove what can never be served again: manifests that do not verify, the pages of a
         prefix after a page the server lost (a match stops at the gap; pages another complete
-        prefix still reaches are kept), and cut those prefixes' manifests back to the gap.
-        Server-side eviction (``maxmemory``) is what bounds the size; this tidies after it.
+        prefix still reaches are kept), and cut those prefixes' manifests back to the gap; and
+        the restore points that can never be served (:meth:`.PointAdmin.prune`). Server-side
+        eviction (``maxmemory``) is what bounds the size; this tidies after it.
 
         Raises:
             TierError: the server cannot be reached or answers with an error.
@@ -226,6 +268,7 @@ class Admin:
                 cut += 1
             pages = sorted(doomed - kept)
             removed = int(self._client.unlink(*pages)) if pages else 0
+            points = self._points.prune(identity_hex)
         except redis.exceptions.RedisError as exc:
             raise self._unavailable(exc) from None
         return {
@@ -234,4 +277,5 @@ class Admin:
             "manifests_removed_bad": bad,
             "manifests_cut": cut,
             "pages_removed": removed,
+            **points.to_json(),
         }

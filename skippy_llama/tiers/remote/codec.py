@@ -29,11 +29,13 @@ KIND_PAGE = 1
 KIND_MANIFEST = 2
 KIND_POINT = 3  # a restore point's record
 KIND_POINT_PAGE = 4  # an attention page of composed restore points
+KIND_POINT_OWNER = 5  # the model a cache identity's restore points belong to (JSON)
 _LABELS = {
     KIND_PAGE: b"remote-page",
     KIND_MANIFEST: b"remote-manifest",
     KIND_POINT: b"remote-point",
     KIND_POINT_PAGE: b"remote-point-page",
+    KIND_POINT_OWNER: b"remote-point-owner",
 }
 # magic, version, kind, n_tokens, body length, digest; the tag follows
 _HEAD = struct.Struct("<4sBBIQ16s")

@@ -18,6 +18,11 @@ KV layout, backend, settings) ever asks for them, and ``clear`` of one identity 
     {namespace}:{identity}:{secret id}:n:{identity root hex}  a hash of the token counts the
                                                               identity has restore points at:
                                                               count -> tag
+    {namespace}:{identity}:{secret id}:o:{identity root hex}  the model the identity's restore
+                                                              points belong to (codec.py frame
+                                                              around JSON), so ``--model-identity``
+                                                              finds an identity that has points
+                                                              but no manifests
 
 The secret id (:func:`secret_id`) names the shared secret without revealing it: instances with
 another secret look under other keys, so they match nothing instead of matching pages they must
@@ -41,7 +46,10 @@ CHILDREN = b"c"
 POINT = b"r"
 POINT_PAGE = b"q"
 POINT_LENGTHS = b"n"
-_KINDS = (PAGE, MANIFEST, CHILDREN, POINT, POINT_PAGE, POINT_LENGTHS)
+POINT_OWNER = b"o"
+_KINDS = (PAGE, MANIFEST, CHILDREN, POINT, POINT_PAGE, POINT_LENGTHS, POINT_OWNER)
+#: What a length-index entry's tag is over (``points.py`` writes them, ``admin.py`` prunes them).
+LENGTH_LABEL = b"remote-point-length"
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 
 
@@ -106,6 +114,10 @@ class Keys:
     def point_lengths(self, identity_hex: str) -> bytes:
         """The hash of the token counts the identity has restore points at."""
         return self._name(identity_hex, POINT_LENGTHS, bytes.fromhex(check_identity(identity_hex)))
+
+    def point_owner(self, identity_hex: str) -> bytes:
+        """The model the identity's restore points belong to."""
+        return self._name(identity_hex, POINT_OWNER, bytes.fromhex(check_identity(identity_hex)))
 
     def parse(self, name: bytes) -> tuple[str, str, bytes, bytes] | None:
         """``(identity hex, secret id, kind, key)`` of a key of this namespace, None for any

@@ -19,14 +19,27 @@ page the server evicted is only counted (the next push of a point through it sen
 Server faults go through the store's breaker like page reads and writes.
 
 Pushes send only what the server lacks (one pipelined STRLEN round trip over the record and its
-pages), then enter the token count in the identity's length index.
+pages), then enter the token count in the identity's length index and the identity's owner (the
+model, ``o:``, which ``kv-cache prune|clear --remote --model-identity`` selects by).
+
+Pushes leave the request path the way the paged cache's pushes do: on L3's background writer
+(``DiskTier.defer``, after the records queued before it), or, without L3, on a writer of the
+same kind of its own (``l3/writer.py``'s :func:`~..l3.writer.job_writer`). A queued point waits
+in a bounded buffer (:data:`MAX_PENDING_BYTES`); a full buffer or queue drops the push and
+counts it (``point_queue_full``, ``points_dropped``), never waits. A lookup of a point still
+waiting is served from that buffer (the process's own capture: ``point_pending_hits``), so a
+lookup racing a push answers the point or, once it left, what the server holds; ``close``
+drains the queue first. Built without a lane (tools, tests) a push runs on the caller's thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
-from typing import Any
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +57,9 @@ from ...restore_points import (
     unpack_point,
 )
 from ..l3.points import PAGE_TOKENS
+from ..l3.writer import Writer, job_writer
 from . import codec
+from .keys import LENGTH_LABEL
 from .store import RemoteStore
 
 #: Token counts a length index keeps (a push that finds more starts it over): every lookup reads
@@ -52,8 +67,39 @@ from .store import RemoteStore
 MAX_LENGTHS = 1024
 #: Pages per pipelined GET of a composed point's pages.
 FETCH_BATCH_PAGES = 8
-#: What a length-index entry's tag is over.
-LENGTH_LABEL = b"remote-point-length"
+#: Bytes of points waiting to be pushed (a push that would pass it is dropped and counted): a
+#: hybrid model's point is its attention cells plus the recurrent state, megabytes to tens.
+MAX_PENDING_BYTES = 256 << 20
+#: How long ``close`` waits for queued pushes to land.
+DRAIN_S = 10.0
+
+
+class Lane(Protocol):
+    """Where pushes run off the request path: L3's ``DiskTier`` or :class:`JobLane`."""
+
+    def defer(self, run: Callable[[], object], nbytes: int) -> bool:
+        """Queue ``run`` for a background thread; False (nothing queued) when full."""
+        ...
+
+    def flush(self, timeout: float = ...) -> bool:
+        """Wait until what was queued ran; False on timeout."""
+        ...
+
+
+class JobLane:
+    """A lane of its own (a :func:`~..l3.writer.job_writer`) for a process without L3."""
+
+    def __init__(self, writer: Writer | None = None) -> None:
+        self.writer = writer or job_writer("skippy-remote-writer")
+
+    def defer(self, run: Callable[[], object], nbytes: int) -> bool:
+        return self.writer.job(run, nbytes)
+
+    def flush(self, timeout: float = DRAIN_S) -> bool:
+        return self.writer.flush(timeout)
+
+    def stop(self) -> None:
+        self.writer.stop()
 
 
 class _Miss(Exception):
@@ -72,12 +118,26 @@ class RemotePoints:
 
     Args:
         store: the connected store client (its ``status`` carries these counters too).
+        lane: where pushes run (see the module docstring); None: on the caller's thread.
+        max_pending_bytes: the bytes of points that may wait for the lane.
     """
 
     name = "remote"
 
-    def __init__(self, store: RemoteStore) -> None:
+    def __init__(
+        self,
+        store: RemoteStore,
+        lane: Lane | None = None,
+        *,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+    ) -> None:
         self.store = store
+        self.lane = lane
+        self.max_pending_bytes = max_pending_bytes
+        self._lock = threading.Lock()
+        #: points queued and not yet pushed, by (identity root, point key)
+        self._pending: dict[tuple[bytes, bytes], RestorePoint] = {}
+        self._pending_bytes = 0
 
     # ------------------------------------------------------------------ reads
 
@@ -85,9 +145,10 @@ class RemotePoints:
         """Token counts the server lists points at under ``root`` (authentic entries only);
         [] on a failure or while the breaker is open."""
         store = self.store
+        with self._lock:
+            out = [p.n_tokens for (r, _), p in self._pending.items() if r == root]
         name = store.keys.point_lengths(root.hex())
         entries = store._run("point lengths", functools.partial(store._client.hgetall, name))
-        out: list[int] = []
         for field, tag in list((entries or {}).items())[:MAX_LENGTHS]:
             if not (isinstance(field, bytes) and isinstance(tag, bytes) and field.isdigit()):
                 store._bad_value("unauthenticated_length")
@@ -104,6 +165,13 @@ class RemotePoints:
         store = self.store
         ident = root.hex()
         key = point_key(root, tokens)
+        with self._lock:
+            waiting = self._pending.get((root, key))
+        if waiting is not None and np.array_equal(waiting.tokens, tokens):
+            # queued by this process and not pushed yet (or being pushed): its own capture
+            store._add("point_hits")
+            store._add("point_pending_hits")
+            return waiting
         name = store.keys.point(ident, key)
         # a value of another type answers WRONGTYPE: foreign data, not a server failure
         get = functools.partial(store._pipeline, lambda pipe: pipe.get(name), raise_on_error=False)
@@ -184,9 +252,63 @@ class RemotePoints:
     # ------------------------------------------------------------------ writes
 
     def put_point(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
-        """Send ``point``'s record and the pages the server lacks, and list its length; False
-        when refused or on a failure (counted: ``points_dropped``). ``owner`` is not kept: the
-        server's inventory is per cache identity."""
+        """Push ``point`` (see :meth:`push_point`) on the lane; without one, now. With a lane:
+        True once queued (or already waiting), False when the buffer or the queue is full (the
+        push is dropped and counted: ``point_queue_full``, ``points_dropped``); never waits."""
+        lane = self.lane
+        if lane is None:
+            return self.push_point(root, point, owner)
+        store = self.store
+        slot = (root, point_key(root, point.tokens))
+        size = len(point.blob) + 4 * point.n_tokens
+        with self._lock:
+            if slot in self._pending:
+                return True  # the same tokens' point, pushed once
+            full = self._pending_bytes + size > self.max_pending_bytes
+            if not full:
+                self._pending[slot] = point
+                self._pending_bytes += size
+        if not full:
+            run = functools.partial(self._push_pending, slot, point, owner, size)
+            if lane.defer(run, size):
+                store._add("point_pushes_queued")
+                return True
+            self._unpend(slot, size)
+        store._add("point_queue_full")
+        store._add("points_dropped")
+        return False
+
+    def _push_pending(
+        self, slot: tuple[bytes, bytes], point: RestorePoint, owner: PointOwner, size: int
+    ) -> None:
+        """The lane's job: push, then let the point leave the buffer (lookups meanwhile are
+        served from it)."""
+        try:
+            self.push_point(slot[0], point, owner)
+        except Exception as exc:  # a bug of this module: counted, the lane goes on
+            self.store._failed(exc, "point push")
+            self.store._add("points_dropped")
+        finally:
+            self._unpend(slot, size)
+
+    def _unpend(self, slot: tuple[bytes, bytes], size: int) -> None:
+        with self._lock:
+            if self._pending.pop(slot, None) is not None:
+                self._pending_bytes -= size
+
+    def flush(self, timeout: float = DRAIN_S) -> bool:
+        """Wait until the queued pushes are done; False on timeout."""
+        if self.lane is None:
+            return True
+        with self._lock:
+            if not self._pending:
+                return True
+        return self.lane.flush(timeout)
+
+    def push_point(self, root: bytes, point: RestorePoint, owner: PointOwner) -> bool:
+        """Send ``point``'s record and the pages the server lacks, list its length and name
+        its identity's ``owner``; False when refused or on a failure (counted:
+        ``points_dropped``). Blocks on the server: call it off the request path."""
         store = self.store
         ident = root.hex()
         key = point_key(root, point.tokens)
@@ -212,7 +334,7 @@ class RemotePoints:
         store._add("point_values_sent", sent)
         store._add("point_values_present", len(values) - len(sends))
         store._add("point_bytes_out", sent_bytes)
-        if not ok or not self._list_length(ident, point.n_tokens):
+        if not ok or not self._list_length(ident, point.n_tokens, owner):
             store._add("points_dropped")
             return False
         store._add("point_writes")
@@ -234,20 +356,29 @@ class RemotePoints:
         values.append((name, codec.pack(signer, name, codec.KIND_POINT, point.n_tokens, record)))
         return values
 
-    def _list_length(self, ident: str, n_tokens: int) -> bool:
+    def _list_length(self, ident: str, n_tokens: int, owner: PointOwner) -> bool:
         """Enter ``n_tokens`` in the identity's length index (starting it over past
-        :data:`MAX_LENGTHS`); False on a failure."""
+        :data:`MAX_LENGTHS`), and ``owner`` as the identity's model; False on a failure."""
         store = self.store
         name = store.keys.point_lengths(ident)
         field = str(n_tokens).encode()
         tag = store._signer.value(LENGTH_LABEL, name, field)
         ttl = store.settings.ttl
+        owned: tuple[bytes, bytes] | None = None
+        if owner.model_identity:
+            oname = store.keys.point_owner(ident)
+            body = json.dumps(
+                {"model_identity": owner.model_identity, "model_name": owner.model_name}
+            ).encode()
+            owned = (oname, codec.pack(store._signer, oname, codec.KIND_POINT_OWNER, 0, body))
 
         def add(pipe: Any) -> None:
             pipe.hset(name, field, tag)
             pipe.hlen(name)
             if ttl is not None:
                 pipe.expire(name, ttl)
+            if owned is not None:
+                pipe.set(*owned, ex=ttl)
 
         results = store._run("point push", functools.partial(store._pipeline, add), write=True)
         if results is None:
@@ -264,8 +395,21 @@ class RemotePoints:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:
-        """The store's state and counters (restore points' among them); no server call."""
-        return self.store.status()
+        """The store's state and counters (restore points' among them) and the points waiting
+        to be pushed; no server call."""
+        out = self.store.status()
+        with self._lock:
+            out["point_queue"] = {
+                "points": len(self._pending),
+                "bytes": self._pending_bytes,
+                "max_bytes": self.max_pending_bytes,
+            }
+        return out
 
     def close(self) -> None:
+        """Push what is queued (within :data:`DRAIN_S`), stop a lane of its own, close."""
+        with contextlib.suppress(Exception):  # a lane already closed (L3 drained it first)
+            self.flush(DRAIN_S)
+        if isinstance(self.lane, JobLane):
+            self.lane.stop()
         self.store.close()

@@ -575,7 +575,8 @@ class RemoteStore:
                 # restore points (``points.py``)
                 "point_hits", "point_misses", "point_bytes_in", "point_pushes", "point_writes",
                 "point_values_sent", "point_values_present", "point_bytes_out",
-                "points_dropped",
+                "points_dropped", "point_pushes_queued", "point_queue_full",
+                "point_pending_hits",
             )
         }  # fmt: skip
         assert self.settings.url is not None
