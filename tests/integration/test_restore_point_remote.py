@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,11 @@ from test_remote_tier import secret_file
 from test_restore_point_tiers import _check, _doc
 from test_restore_points import _FAMILIES, SWA_PROMISED, _cold, _skippy, points_or_skip
 
-from skippy_llama.config import Settings
-from skippy_llama.restore_points import point_key
+from skippy_llama.config import RemoteSettings, Settings
+from skippy_llama.restore_points import page_keys, point_key
+from skippy_llama.tiers.disk import DiskTier
+from skippy_llama.tiers.l3.points import PAGE_TOKENS
+from skippy_llama.tiers.remote import RemoteStore
 from skippy_llama.tiers.remote.points import RemotePoints
 
 pytestmark = pytest.mark.model
@@ -144,6 +148,83 @@ def test_a_damaged_or_evicted_remote_snapshot_is_a_cold_miss(
         assert status["activity"]["internal_errors"] == 0
     finally:
         client.close()
+        llm.close()
+
+
+def test_the_push_leaves_the_request_thread(
+    synthetic_models: dict[str, Path], redis_clean: RedisServer, tmp_path: Path
+) -> None:
+    """With L3's writer held busy a request is still served (exactly) and its point reaches
+    the server only once the writer runs: the push is not on the request's thread."""
+    path = synthetic_models["lfm2"]
+    secret = secret_file(tmp_path)
+    doc = _doc()
+    llm = _skippy(path, _settings(tmp_path / "a", redis_clean.url, secret))
+    client = redis_clean.client()
+    started, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait(120)
+
+    try:
+        points_or_skip(llm, path.stem)
+        tier = _remote(llm)
+        disk = llm.restore_points.tiers[-2]  # type: ignore[union-attr]
+        assert isinstance(disk, DiskTier) and isinstance(tier.lane, DiskTier)
+        assert disk.defer(hold, 0) and started.wait(120)
+        assert _check(path, llm, doc) == ("cold", 0)
+        root = llm.restore_points.store.root  # type: ignore[union-attr]
+        name = tier.store.keys.point(root.hex(), point_key(root, doc))
+        assert not client.exists(name)  # queued behind the held writer
+        assert tier.status()["point_queue"]["points"] == 1
+        gate.set()
+        assert tier.flush()
+        assert client.exists(name) and tier.status()["activity"]["point_writes"] == 1
+    finally:
+        gate.set()
+        client.close()
+        llm.close()
+
+
+def test_prune_keeps_servable_points_and_removes_one_that_lost_a_page(
+    synthetic_models: dict[str, Path], redis_clean: RedisServer, tmp_path: Path
+) -> None:
+    """``prune --remote`` on a real model's composed points: a servable point is kept (another
+    host restores it exactly), one whose page the server lost is removed with its length."""
+    path = synthetic_models["lfm2"]
+    secret = secret_file(tmp_path)
+    doc = _doc()
+    _push(path, tmp_path / "a", redis_clean.url, secret, doc, 512)
+    longer = [*doc, *doc[:60]]
+    llm = _skippy(path, _settings(tmp_path / "a2", redis_clean.url, secret))
+    try:  # restores the 90-token point from the server, pushes one at 150
+        assert _check(path, llm, longer) == ("remote", len(doc))
+        assert _remote(llm).flush()
+    finally:
+        llm.close()
+    store = RemoteStore(RemoteSettings(url=redis_clean.url, secret_file=secret))
+    client = redis_clean.client()
+    try:
+        kept = store.prune()
+        assert kept["points_checked"] == 2 and kept["points_removed_bad"] == 0
+        assert kept["points_removed_unservable"] == 0 and kept["point_lengths_removed"] == 0
+        (ident,) = store.server_status()["inventory"]
+        root = bytes.fromhex(ident)
+        # the longer point's pages (0-127, 128-149) are its own (the 90-token point's one
+        # page ends at 90): the server loses the last, prune removes the point and the other
+        long_pages = page_keys(np.asarray(longer, dtype=np.int32), root, PAGE_TOKENS)
+        assert client.delete(store.keys.point_page(ident, long_pages[-1])) == 1
+        pruned = store.prune()
+        assert pruned["points_checked"] == 2 and pruned["points_removed_unservable"] == 1
+        assert pruned["point_lengths_removed"] == 1 and pruned["point_pages_removed"] == 1
+    finally:
+        client.close()
+        store.close()
+    llm = _skippy(path, _settings(tmp_path / "b", redis_clean.url, secret))
+    try:
+        assert _check(path, llm, [*longer, 5, 6]) == ("remote", len(doc))
+    finally:
         llm.close()
 
 
