@@ -80,14 +80,6 @@ def format_status(report: dict[str, Any]) -> str:
                 f"{human_size(entry['restore_point_bytes'])}; "
                 f"{entry.get('restore_point_lengths', 0)} lengths listed"
             )
-    act = tier["activity"]
-    queue = tier.get("point_queue")
-    lines.append(
-        f"  restore points (this client): served {act['point_hits']}, missed "
-        f"{act['point_misses']}, pushed {act['point_writes']}, dropped {act['points_dropped']}"
-        f" (queue full {act['point_queue_full']})"
-        + (f", waiting {queue['points']}" if queue else "")
-    )
     return "\n".join(lines)
 
 
