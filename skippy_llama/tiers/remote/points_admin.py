@@ -115,7 +115,10 @@ class PointAdmin:
         server lost (a point cannot be cut back as a prefix can: its snapshot holds only its
         own position), with the pages no record kept names; length-index entries that are
         forged or name a length no record is left at; owners that do not verify. Only keys
-        under this secret are looked at (as for manifests). Raises what the client raises."""
+        under this secret are looked at (as for manifests). Racing a push it can only cause
+        misses, never a wrong answer: a length entry removed before its record landed (listed
+        again by the next push of that point), or a page removed that a new record then names
+        (that point misses until pushed again). Raises what the client raises."""
         admin, keys = self.admin, self.admin.keys
         out = PointPrune()
         names = list(admin._scan(keys.pattern(identity_hex, POINT, mine=True)))
