@@ -61,6 +61,44 @@ def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
     )
 
 
+def _proposed_patches() -> list[Path]:
+    """Patches the series names in a comment (``# NNNN-skippy-....patch: why not yet``): kept
+    beside the queue, measured, waiting for a wheel built from them and a certification."""
+    names = re.findall(
+        r"^#\s*(\d{4}-skippy-[a-z-]+\.patch)\b", (PATCHES_DIR / "series").read_text("utf-8"), re.M
+    )
+    return [PATCHES_DIR / name for name in names]
+
+
+def test_proposed_patches_say_what_why_and_abi_and_apply_after_the_queue(
+    tmp_path: Path,
+) -> None:
+    proposed = _proposed_patches()
+    if not proposed:
+        pytest.skip("the series proposes no patch")
+    for patch in proposed:
+        assert patch.is_file(), f"the series proposes {patch.name}, which is not in patches/"
+        head = patch.read_text("utf-8").split("\ndiff --git", 1)[0]
+        for field in ("What:", "Why:", "ABI added:"):
+            assert field in head, f"{patch.name} lacks {field!r} in its header"
+    done = subprocess.run(
+        ["bash", str(BUILD), "apply", str(tmp_path)],
+        capture_output=True, text=True, check=False, env=_env(),
+    )  # fmt: skip
+    if done.returncode != 0 and "downloading the llama-cpp-python" in done.stderr:
+        _sdist_unavailable(
+            f"the llama-cpp-python sdist could not be downloaded: {done.stderr[-300:]}"
+        )
+    assert done.returncode == 0, done.stderr
+    src = Path(done.stdout.strip().splitlines()[-1])
+    for patch in proposed:
+        applied = subprocess.run(
+            ["patch", "-p1", "--batch", "--fuzz=0", "--quiet", "-i", str(patch)],
+            cwd=src, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert applied.returncode == 0, f"{patch.name}: {applied.stdout}{applied.stderr}"
+
+
 def _assert_host_state_io_batches_device_copies(source: str) -> None:
     """Patch 0005: the host state io queues device copies asynchronously, and every place that
     builds one (the stock state calls and the skippy_* ones) hands it the context's backends;
