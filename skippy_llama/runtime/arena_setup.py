@@ -97,7 +97,7 @@ def enable_page_copies(
         if page_tokens <= 0:
             refusal = "no page size for the staging arena"
         else:
-            seam.staging = open_staging(layout, page_tokens, pinner)
+            seam.staging = open_staging(layout, page_tokens, pinner, seam.idle)
     seam.page_copies = refusal is None
     return refusal
 
@@ -108,12 +108,15 @@ STAGING_BYTES = DIRECT_CHUNK_BYTES
 
 
 def open_staging(
-    layout: KVLayout, page_tokens: int, pinner: Pinner | None
+    layout: KVLayout,
+    page_tokens: int,
+    pinner: Pinner | None,
+    idle: threading.Event | None = None,
 ) -> tuple[HostArena, HostArena]:
     """Two staging arenas of ``STAGING_BYTES`` (at least one page each), page-locked by
     ``pinner`` where it can (committed by the registration, a few ms at load), otherwise
-    committed by a background thread (:func:`prefault`): a process's first restore must not
-    pay their page faults."""
+    committed by a background thread (:func:`prefault`, waiting on ``idle`` while a restore
+    runs): a process's first restore must not pay their page faults."""
     per = page_tokens * layout.kv_bytes_per_cell
     n = max(1, STAGING_BYTES // per) if per > 0 else 1
     arenas = (HostArena(layout, page_tokens, n), HostArena(layout, page_tokens, n))
@@ -121,15 +124,19 @@ def open_staging(
         if pinner is not None and pinner.pin(arena.buffer):
             arena.on_close = functools.partial(pinner.unpin, arena.buffer)
         elif PREFAULT:
-            arena.prefault_thread = prefault(arena)
+            arena.prefault_thread = prefault(arena, idle=idle)
     return arenas
 
 
 #: Whether :func:`attach_arena` prefaults a pageable arena (``benchmarks/bench_arena.py`` turns it
 #: off to measure what the prefault saves the first promotion).
 PREFAULT = True
-#: Bytes the prefault thread commits per call (it stops between calls when the arena closes).
-PREFAULT_STEP = 16 << 20
+#: Bytes the prefault thread commits per call (it stops between calls when the arena closes,
+#: and waits between them while a restore runs: a call under way when one starts competes
+#: with it to its end, ~1-2 ms at this size on the 2-core VM).
+PREFAULT_STEP = 4 << 20
+#: How often (seconds) a prefault waiting for a restore to end checks that its arena closes.
+PREFAULT_POLL_S = 0.05
 
 
 def prefault_slots(arena: HostArena, n_ctx: int) -> int:
@@ -157,12 +164,17 @@ def _page_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(lo, hi - lo) for lo, hi in out]
 
 
-def prefault(arena: HostArena, n_slots: int | None = None) -> threading.Thread | None:
+def prefault(
+    arena: HostArena, n_slots: int | None = None, idle: threading.Event | None = None
+) -> threading.Thread | None:
     """Commit the memory of ``arena``'s first ``n_slots`` slots (None: all of them; see
     :func:`prefault_slots`) in a background thread, so a promotion into slots never written
     before does not pay the kernel's page faults on a request (measured on the CPU: 228-252 ms
     at the first promotion of a 3,900-token prefix). ``MADV_POPULATE_WRITE`` leaves the bytes
     as they are, so puts may run meanwhile, and the call (through ctypes) lets the GIL go.
+    With ``idle`` (the seam's, :attr:`KVSeam.idle`) each step of ``PREFAULT_STEP`` bytes
+    waits until no restore runs: the prefault readies later restores and must not slow the
+    one under way (a fresh process's first request comes while it still runs).
     Where the kernel lacks it nothing is done. Returns the thread (None: not on Linux)."""
     try:
         madvise = madvise_call()
@@ -173,6 +185,9 @@ def prefault(arena: HostArena, n_slots: int | None = None) -> threading.Thread |
     def run() -> None:
         for address, nbytes in _page_ranges(arena.spans(want)):
             for off in range(0, nbytes, PREFAULT_STEP):
+                while idle is not None and not idle.wait(PREFAULT_POLL_S):
+                    if arena.closing:
+                        return
                 if arena.closing:
                     return
                 step = min(PREFAULT_STEP, nbytes - off)
@@ -214,7 +229,7 @@ def attach_arena(
         # a pinned arena is committed by the registration; a pageable one in the background,
         # a context's worth of it (prefault_slots says why not all)
         want = prefault_slots(arena, int(llama_cpp.llama_n_ctx_seq(ctx)))
-        arena.prefault_thread = prefault(arena, want) if PREFAULT else None
+        arena.prefault_thread = prefault(arena, want, seam.idle) if PREFAULT else None
     ram.attach_arena(arena)
     seam.layer_copies = True
     log.info(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -230,6 +231,14 @@ class KVSeam:
         #: exports records' new cells into arena slots off the request path (``export.py``;
         #: ``runtime/arena_setup.open_exporter``); None: records are captured by :meth:`capture`
         self.exporter: CellExporter | None = None
+        #: Set while no plan is executing (:meth:`execute` clears it for its duration). Work
+        #: that only readies later restores waits on it between steps: the arenas' background
+        #: prefault (``runtime/arena_setup.prefault``), which otherwise still runs when a fresh
+        #: process's first request restores and takes a core from it (issue 45, s49: the
+        #: first L3 restore with L2 on took 50-97 ms beside the prefault, 35-44 ms with it
+        #: paused).
+        self.idle = threading.Event()
+        self.idle.set()
 
     def _read_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         if self._direct_ahead is None:
@@ -384,7 +393,11 @@ class KVSeam:
         """
         notes: list[str] = []
         faults: list[str] = []
-        outcome = self._try(plan, source, layout, append, pipeline, notes, faults)
+        self.idle.clear()
+        try:
+            outcome = self._try(plan, source, layout, append, pipeline, notes, faults)
+        finally:
+            self.idle.set()
         if outcome.failed:
             # the plan asked for, not its cut-short form: every tier it reads is left out next
             outcome.plan = plan

@@ -202,6 +202,31 @@ def test_l3_pages_go_through_the_staging_arenas_a_run_per_chunk(
         seam.close()
 
 
+def test_the_seam_is_busy_while_it_restores_and_idle_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KVSeam.idle`` is clear while a plan executes (the arenas' prefault waits on it) and
+    set again after, the restore failed or not."""
+    seam, kv, pages, l3 = setup(monkeypatch, SPECS[1], 3 * PAGE, staging_pages=2)
+    seen: list[bool] = []
+
+    def watched(*args: Any) -> bool:
+        seen.append(seam.idle.is_set())
+        return kv.cells_set(*args)
+
+    monkeypatch.setattr(native_ext, "cells_set", watched)
+    try:
+        assert seam.idle.is_set()
+        outcome = seam.execute(plan_of(pages, 3 * PAGE), TierPages([l3]), pages[0].layout)
+        assert outcome.restored and seen and not any(seen)
+        assert seam.idle.is_set()
+        l3.held.clear()  # nothing to read: a failed outcome, and idle again
+        assert seam.execute(plan_of(pages, 3 * PAGE), TierPages([l3]), pages[0].layout).failed
+        assert seam.idle.is_set()
+    finally:
+        seam.close()
+
+
 def test_a_restore_ends_where_a_short_read_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     seam, kv, pages, l3 = setup(monkeypatch, SPECS[1], 6 * PAGE, staging_pages=2)
     try:

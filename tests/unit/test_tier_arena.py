@@ -151,7 +151,7 @@ def test_prefault_commits_the_arena_and_leaves_puts_intact() -> None:
 
     pages = pages_of(SPECS[1], 20)
     per_slot = PAGE * pages[0].layout.kv_bytes_per_cell
-    arena = HostArena(pages[0].layout, PAGE, (48 << 20) // per_slot)  # ~48 MiB, 3 steps
+    arena = HostArena(pages[0].layout, PAGE, (48 << 20) // per_slot)  # ~48 MiB, 12 steps
     try:
         slots = [arena.put(page) for page in pages[:2]]
         thread = prefault(arena)
@@ -167,6 +167,36 @@ def test_prefault_commits_the_arena_and_leaves_puts_intact() -> None:
     finally:
         arena.close()
     assert arena.closing
+
+
+def test_prefault_waits_while_a_restore_runs_and_stops_when_the_arena_closes() -> None:
+    import threading
+
+    from skippy_llama.runtime import arena_setup
+
+    layout = pages_of(SPECS[1], 8)[0].layout
+    per_slot = PAGE * layout.kv_bytes_per_cell
+    arena = HostArena(layout, PAGE, (8 << 20) // per_slot)
+    idle = threading.Event()  # a restore runs (KVSeam.execute clears the seam's)
+    try:
+        thread = arena_setup.prefault(arena, idle=idle)
+        if thread is None:
+            pytest.skip("no madvise here")
+        # however long it is given, nothing is committed while the restore runs
+        thread.join(0.3)
+        assert thread.is_alive() and not arena.prefaulted
+        idle.set()  # the restore ended
+        thread.join(60)
+        if not arena.prefaulted:
+            pytest.skip("the kernel has no MADV_POPULATE_WRITE")
+    finally:
+        arena.close()
+    other = HostArena(layout, PAGE, 4)
+    waiting = arena_setup.prefault(other, idle=threading.Event())
+    assert waiting is not None
+    other.close()  # closed while it waits: it ends without committing anything
+    waiting.join(60)
+    assert not waiting.is_alive() and not other.prefaulted
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
