@@ -235,8 +235,8 @@ class KVSeam:
         #: that only readies later restores waits on it between steps: the arenas' background
         #: prefault (``runtime/arena_setup.prefault``), which otherwise still runs when a fresh
         #: process's first request restores and takes a core from it (issue 45, s49: the
-        #: first L3 restore with L2 on took 50-97 ms beside the prefault, 35-44 ms with it
-        #: paused).
+        #: first L3 restore with L2 on took 60-69 ms beside the prefault, 33-46 ms with it
+        #: paused; ``benchmarks/results/arena-s49-prefault-*.json``).
         self.idle = threading.Event()
         self.idle.set()
 
