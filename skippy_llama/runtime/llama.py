@@ -33,8 +33,6 @@ from ..packages.kvdtype import KVDtypeResolution, resolve_user_kv_types
 from ..packages.loader import LoadedPackage, load_package
 from ..pinned import cuda_pinner
 from ..prefetch import PrefetchResult
-from ..roster import Verdict
-from ..state import KVLayout
 from ..tiers.factory import wants_pages
 from . import probes, repair
 from .arena_setup import open_page_paths
@@ -49,14 +47,14 @@ from .restore_points import RestorePointPath, open_for_model
 from .seam import backend_name
 from .status import cache_status
 from .timing import on_tokens
-from .working import WorkingSequence, guard
+from .working import WorkingSequence, WorkingView, guard
 
 log = logging.getLogger("skippy_llama")
 
 __all__ = ["DECODED_SUFFIX", "DEFER_RECORD_TOKENS", "SkippyLlama"]
 
 
-class SkippyLlama(llama_cpp.Llama):
+class SkippyLlama(WorkingView, llama_cpp.Llama):
     """A ``llama_cpp.Llama`` with a paged, tiered KV-prefix cache.
 
     Takes every argument ``llama_cpp.Llama`` takes, plus ``cache_settings`` and ``cost_model``.
@@ -208,39 +206,6 @@ class SkippyLlama(llama_cpp.Llama):
         llm.kv_dtype = resolution
         return llm
 
-    # -- what the working sequence knows (see ``working.py``) -------------------------------
-
-    @property
-    def kv_layout(self) -> KVLayout | None:
-        """The byte layout of this context's KV cells (``None`` when unknown or not caching),
-        read on first use."""
-        return self.working.layout
-
-    @property
-    def native_verdict(self) -> Verdict:
-        """Whether the loaded llama.cpp carries skippy's patches, certified for this model."""
-        return self.working.verdict
-
-    @property
-    def cache_disabled_reason(self) -> str | None:
-        """Why this context is not cached (None: it is)."""
-        return self.working.disabled_reason
-
-    @property
-    def caching(self) -> bool:
-        return self.working.caching
-
-    @property
-    def granule(self) -> int:
-        """Reused prefixes end at multiples of this (the canonical batch boundary)."""
-        return self.working.granule
-
-    @property
-    def lone_decodes_exact(self) -> bool:
-        """Whether a token decoded alone leaves the cells and logits a batched prefill gives it
-        (probed at load): then a reply is reusable as generated, and nothing is repaired."""
-        return self.working.lone_decodes_exact
-
     @property
     def defer_record_tokens(self) -> int:
         """A record waits while fewer than this many of its tokens are unrecorded (0: never;
@@ -251,10 +216,6 @@ class SkippyLlama(llama_cpp.Llama):
     @defer_record_tokens.setter
     def defer_record_tokens(self, tokens: int) -> None:
         self.recorder.defer_tokens = tokens
-
-    def live_exact(self) -> int:
-        """Leading tokens of the working sequence whose cells are exact and still present."""
-        return self.working.live_exact()
 
     # -- the request path: tokens -> plan -> seam -> commit ------------------------------
 

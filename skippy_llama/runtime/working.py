@@ -238,3 +238,46 @@ def guard(cache: PrefixCache, step: str, event: CacheEvent | None, work: Callabl
             event.fallbacks.append(f"{step}: {exc}")
         log.warning("skippy-llama: %s failed (%s); continuing without it", step, exc)
         return False
+
+
+class WorkingView:
+    """What ``SkippyLlama`` tells its users of its working sequence (``working``), read from
+    the :class:`WorkingSequence`, so the model class keeps only the ``Llama`` overrides."""
+
+    working: WorkingSequence
+
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """The byte layout of this context's KV cells (``None`` when unknown or not caching),
+        read on first use."""
+        return self.working.layout
+
+    @property
+    def native_verdict(self) -> Verdict:
+        """Whether the loaded llama.cpp carries skippy's patches, certified for this model."""
+        return self.working.verdict
+
+    @property
+    def cache_disabled_reason(self) -> str | None:
+        """Why this context is not cached (None: it is)."""
+        return self.working.disabled_reason
+
+    @property
+    def caching(self) -> bool:
+        """Whether the paged cache serves this context (see :attr:`cache_disabled_reason`)."""
+        return self.working.caching
+
+    @property
+    def granule(self) -> int:
+        """Reused prefixes end at multiples of this (the canonical batch boundary)."""
+        return self.working.granule
+
+    @property
+    def lone_decodes_exact(self) -> bool:
+        """Whether a token decoded alone leaves the cells and logits a batched prefill gives it
+        (probed at load): then a reply is reusable as generated, and nothing is repaired."""
+        return self.working.lone_decodes_exact
+
+    def live_exact(self) -> int:
+        """Leading tokens of the working sequence whose cells are exact and still present."""
+        return self.working.live_exact()

@@ -24,6 +24,7 @@ from skippy_llama.roster import (
     load_roster,
     parse_roster,
     queue_digest,
+    queue_patches,
 )
 from skippy_llama.runtime import recipe as recipe_module
 from skippy_llama.runtime.recipe import row_key
@@ -127,7 +128,7 @@ def test_missing_roster_file_is_none(tmp_path: Path) -> None:
 def test_queue_digest_changes_with_every_byte_name_and_order(queue: Path) -> None:
     base = queue_digest(queue)
     assert base == queue_digest(queue)
-    names = (queue / "series").read_text().split()
+    names = [p.name for p in queue_patches(queue)]  # a proposed patch is only a comment there
     first = queue / names[0]
     data = first.read_bytes()
     first.write_bytes(data + b"\n")
