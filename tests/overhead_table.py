@@ -234,6 +234,16 @@ def _pair(
     return f"{ttft_ratio} / {_median_ratio(rounds, workload, mode, lambda i: float(i[total]))}"
 
 
+#: workloads whose README row also gives the spread of a round's TTFT over the rounds
+RESTART_WORKLOADS = ("doc_restart",)
+
+
+def _ttft_spread(rounds: Rounds, workload: str, mode: str = "plain") -> str:
+    """The slowest round's summed TTFT over the fastest's."""
+    totals = [_ttft_total(info) for info in rounds[(workload, mode)].values()]
+    return f"{max(totals) / min(totals):.2f}×"
+
+
 def readme_rows(rounds: Rounds, result: str) -> list[str]:
     """README Performance rows of the document workloads found in ``rounds``: per mode the
     median paired ratio to plain of TTFT and total (summed over each round's requests), then
@@ -249,10 +259,15 @@ def readme_rows(rounds: Rounds, result: str) -> list[str]:
         last = "; ".join(_pair(rounds, workload, m, _ttft_last, "last_request_s") for m, _ in found)
         names = " / ".join(name for _, name in found)
         rounds_n = len(rounds[(workload, "plain")])
+        spread = ""
+        if workload in RESTART_WORKLOADS and rounds_n > 1:
+            # issue 42's target: how far apart a mode's runs are, beside plain's own
+            mine = "; ".join(_ttft_spread(rounds, workload, m) for m, _ in found)
+            spread = f", TTFT spread over rounds {mine} (plain {_ttft_spread(rounds, workload)})"
         rows.append(
             f"| {what}: TTFT / total vs plain `Llama` ({names}), median of {rounds_n} "
             f"round{'s' if rounds_n != 1 else ''} "
-            f"| **{every}**, last requests {last}, replies equal "
+            f"| **{every}**, last requests {last}{spread}, replies equal "
             f"| [`bench_overhead.py`](benchmarks/bench_overhead.py) ([result]({result})) |"
         )
     return rows

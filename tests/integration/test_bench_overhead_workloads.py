@@ -181,3 +181,18 @@ def test_later_requests_are_paired_apart_from_the_first() -> None:
     assert "| 1.800 s | **1.20×** (1.20–1.20) |" in later
     assert "| doc_questions | plain | 3.000 s | – |" in later
     assert "oneshot" not in later
+
+
+def test_restart_row_gives_each_modes_ttft_spread_over_rounds() -> None:
+    """Issue 42's target for interleaved documents after a restart: the slowest round's TTFT
+    over the fastest's, per mode, beside plain's own spread on the same machine."""
+    table = overhead_table
+    rows = []
+    for r, (plain_ttft, skippy_ttft) in enumerate(((10.0, 0.5), (14.0, 0.6), (12.0, 0.75))):
+        for mode, ttft in (("plain", plain_ttft), ("skippy_l3", skippy_ttft)):
+            row = _row(r, mode, [ttft * 2, ttft * 2], 1.0, workload="doc_restart")
+            row["ttft_s"] = [ttft / 2, ttft / 2]
+            rows.append(row)
+    (readme,) = table.readme_rows(table.by_round(rows), "r.json")
+    assert readme.startswith("| interleaved documents after a restart")
+    assert "TTFT spread over rounds 1.50× (plain 1.40×), replies equal" in readme
