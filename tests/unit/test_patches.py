@@ -29,7 +29,9 @@ def test_each_patch_says_what_why_and_abi(patch: Path) -> None:
     assert all(name.startswith("skippy_") for name in added), added
 
 
-def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
+def _applied_queue(tmp_path: Path) -> Path:
+    """A fresh sdist unpacked under ``tmp_path`` with the queue applied (skips where the sdist
+    cannot be downloaded); its source directory."""
     done = subprocess.run(
         ["bash", str(BUILD), "apply", str(tmp_path)],
         capture_output=True, text=True, check=False, env=_env(),
@@ -40,6 +42,11 @@ def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
         )
     assert done.returncode == 0, done.stderr
     src = Path(done.stdout.strip().splitlines()[-1])
+    return src
+
+
+def test_queue_applies_to_a_fresh_sdist(tmp_path: Path) -> None:
+    src = _applied_queue(tmp_path)
     header = (src / "vendor/llama.cpp/include/llama.h").read_text()
     for symbol in (
         "skippy_abi_version",
@@ -81,16 +88,7 @@ def test_proposed_patches_say_what_why_and_abi_and_apply_after_the_queue(
         head = patch.read_text("utf-8").split("\ndiff --git", 1)[0]
         for field in ("What:", "Why:", "ABI added:"):
             assert field in head, f"{patch.name} lacks {field!r} in its header"
-    done = subprocess.run(
-        ["bash", str(BUILD), "apply", str(tmp_path)],
-        capture_output=True, text=True, check=False, env=_env(),
-    )  # fmt: skip
-    if done.returncode != 0 and "downloading the llama-cpp-python" in done.stderr:
-        _sdist_unavailable(
-            f"the llama-cpp-python sdist could not be downloaded: {done.stderr[-300:]}"
-        )
-    assert done.returncode == 0, done.stderr
-    src = Path(done.stdout.strip().splitlines()[-1])
+    src = _applied_queue(tmp_path)
     for patch in proposed:
         applied = subprocess.run(
             ["patch", "-p1", "--batch", "--fuzz=0", "--quiet", "-i", str(patch)],
