@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import llama_cpp
 import llama_cpp._internals as internals
 
 _context_hook = threading.local()
@@ -35,7 +36,7 @@ class _HookedContext(internals.LlamaContext):  # type: ignore[misc]
     def __init__(self, *, model: Any, params: Any, verbose: bool = True) -> None:
         adjust = getattr(_context_hook, "adjust", None)
         if adjust is not None:
-            adjust(params)
+            adjust(params, model)
         super().__init__(model=model, params=params, verbose=verbose)
 
 
@@ -45,15 +46,26 @@ if not issubclass(internals.LlamaContext, _HookedContext):
 
 @contextlib.contextmanager
 def adjusted(n_seq_max: int) -> Iterator[None]:
-    """Contexts built inside get ``n_seq_max`` sequences in one unified KV cache."""
+    """Contexts built inside get ``n_seq_max`` sequences in one unified KV cache, except for
+    recurrent and hybrid models: the paged cache refuses them and their restore points live in
+    sequence 0 alone, so their context is plain ``Llama``'s own (one sequence). Served from
+    restore points or as plain ``Llama``, they must answer as a cold plain ``Llama`` does, and
+    on a GPU a context of eight unified sequences need not: a hybrid's logits there differed
+    from a cold plain ``Llama``'s by ~1e-4 with restore points off (H100, session 48,
+    ``benchmarks/results/gpu-logs/s48-h100/points_tests_ngl-1_lane1.log``)."""
 
-    def adjust(params: Any) -> None:
-        # embedding contexts keep llama-cpp-python's own multi-sequence setup
-        if not params.embeddings and n_seq_max > 1:
-            params.n_seq_max = n_seq_max
-            # one unified cache: the working sequence sits in cells [0, n) as in plain
-            # Llama, and sharing cells with a scratch sequence copies nothing
-            params.kv_unified = True
+    def adjust(params: Any, model: Any) -> None:
+        if n_seq_max <= 1 or params.embeddings:
+            return  # embedding contexts keep llama-cpp-python's own multi-sequence setup
+        handle = getattr(model, "model", None)
+        if handle is not None and (
+            llama_cpp.llama_model_is_recurrent(handle) or llama_cpp.llama_model_is_hybrid(handle)
+        ):
+            return
+        params.n_seq_max = n_seq_max
+        # one unified cache: the working sequence sits in cells [0, n) as in plain Llama,
+        # and sharing cells with a scratch sequence copies nothing
+        params.kv_unified = True
 
     _context_hook.adjust = adjust
     try:

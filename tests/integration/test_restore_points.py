@@ -139,6 +139,24 @@ def test_extended_prompts_restore_and_match_cold(
     assert served == ([0, 90, 94, 90] if on else [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("family", _FAMILIES)
+def test_context_is_plain_llamas_own(family: str, synthetic_models: dict[str, Path]) -> None:
+    """A recurrent or hybrid model gets plain ``Llama``'s context (one sequence, no unified
+    cache), not the paged cache's eight sequences: served from restore points or as plain
+    ``Llama``, it must answer as a cold plain ``Llama`` does on every backend."""
+    path = synthetic_models[family]
+    llm = _skippy(path)
+    plain = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+    try:
+        for field in ("n_seq_max", "kv_unified"):
+            got = getattr(llm.context_params, field)
+            assert got == getattr(plain.context_params, field), field
+        assert llm.context_params.n_seq_max == 1
+    finally:
+        llm.close()
+        plain.close()
+
+
 def test_text_completions_report_cached_tokens(synthetic_models: dict[str, Path]) -> None:
     llm = _skippy(synthetic_models["qwen35"])
     try:
