@@ -118,21 +118,14 @@ class Writer:
 
     def record(self, rec: PrefixRecord) -> bool:
         """Queue ``rec``; False (counted) when the queue or its byte bound is full."""
-        size = rec.payload_bytes
-        item = _Queued(rec, new={p.key: p for p in rec.pages if p.payload is not None}, size=size)
+        new = {p.key: p for p in rec.pages if p.payload is not None}
+        item = _Queued(rec, new=new, size=rec.payload_bytes)
         with self._lock:
-            full = self._bytes + size > self._max_bytes
-            if not full:
-                try:
-                    self._queue.put_nowait(item)
-                except queue.Full:
-                    full = True
-            if full:
+            if not self._put(item):
                 rec.drop()
                 self.parts.counters.add("dropped_writes")
                 self.parts.counters.add("dropped_queue_full")
                 return False
-            self._bytes += size
             for page in item.new.values():
                 self._pages.setdefault(page.key, []).append(item)
                 self._kids.setdefault(page.parent, {})[page.key] = page.tokens
@@ -147,16 +140,22 @@ class Writer:
         not raise: an exception is a bug, logged and counted (``internal_errors``)."""
         if self._stop.is_set():
             return False
-        item = _Queued(None, run=run, size=nbytes)
         with self._lock:
-            if self._bytes + nbytes > self._max_bytes:
+            if not self._put(_Queued(None, run=run, size=nbytes)):
                 return False
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                return False
-            self._bytes += nbytes
         self.start()
+        return True
+
+    def _put(self, item: _Queued) -> bool:
+        """Queue ``item`` within the queue's length and byte bounds (called under the lock);
+        False, and nothing queued, when either is full."""
+        if self._bytes + item.size > self._max_bytes:
+            return False
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            return False
+        self._bytes += item.size
         return True
 
     def queued(self, key: bytes) -> bool:
