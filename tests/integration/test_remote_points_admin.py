@@ -35,7 +35,7 @@ from skippy_llama.restore_points import PointOwner, RestorePoint, page_keys, poi
 from skippy_llama.tiers.l3.points import PAGE_TOKENS
 from skippy_llama.tiers.l3.writer import job_writer
 from skippy_llama.tiers.remote import RemoteStore
-from skippy_llama.tiers.remote.keys import LENGTH_LABEL
+from skippy_llama.tiers.remote.keys import length_tag
 from skippy_llama.tiers.remote.points import JobLane, Lane, RemotePoints
 
 ROOT = bytes(range(16))
@@ -198,7 +198,7 @@ def test_prune_removes_the_points_that_can_never_be_served(
         client.set(wname, bytes(raw))
         lengths = store.keys.point_lengths(ident)
         client.hset(lengths, b"77", b"0" * 16)
-        client.hset(lengths, b"88", store._signer.value(LENGTH_LABEL, lengths, b"88"))
+        client.hset(lengths, b"88", length_tag(store._signer, lengths, b"88"))
         foreign = store.keys.point(ident, b"\0" * 16)[:-32] + b"not-hex"
         client.set(foreign, b"x")
 

@@ -175,9 +175,6 @@ class Admin:
                 parsed = self.keys.parse(name)
                 if value is None or parsed is None:
                     continue
-                if not isinstance(value, bytes):  # a value of another type
-                    self._bad_value("foreign")
-                    continue
                 try:
                     frame = codec.unpack(self._signer, name, codec.KIND_MANIFEST, value)
                     man = Manifest.unpack(bytes(frame.body), parsed[3])

@@ -65,14 +65,17 @@ def pack(signer: Signer, name: bytes, kind: int, n_tokens: int, body: bytes) -> 
     return head + tag + body
 
 
-def unpack(signer: Signer, name: bytes, kind: int, value: bytes) -> Frame:
+def unpack(signer: Signer, name: bytes, kind: int, value: object) -> Frame:
     """The frame of ``value`` read from key ``name``, checked to be a ``kind`` value.
 
     Raises:
-        FrameError: ``truncated`` (shorter than it says), ``foreign`` (not a frame of this
-            version and kind, or longer than it says), ``digest`` (damaged body),
-            ``unauthenticated`` (no valid tag for this key: another secret, or tampered).
+        FrameError: ``truncated`` (shorter than it says), ``foreign`` (not bytes: a value of
+            another type under this key; or not a frame of this version and kind, or longer
+            than it says), ``digest`` (damaged body), ``unauthenticated`` (no valid tag for
+            this key: another secret, or tampered).
     """
+    if not isinstance(value, bytes):
+        raise FrameError("foreign")
     if len(value) < HEADER_BYTES:
         raise FrameError("truncated" if MAGIC.startswith(value[:4]) else "foreign")
     magic, version, got_kind, n_tokens, length, digest = _HEAD.unpack_from(value)

@@ -53,6 +53,23 @@ LENGTH_LABEL = b"remote-point-length"
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 
 
+def length_tag(signer: Signer, name: bytes, field: bytes) -> bytes:
+    """The tag of length-index entry ``field`` (a decimal token count) of hash ``name``."""
+    return signer.value(LENGTH_LABEL, name, field)
+
+
+def authentic_length(signer: Signer, name: bytes, field: object, tag: object) -> bool:
+    """Whether ``field -> tag`` read from length index ``name`` is an entry this secret wrote:
+    a decimal token count tagged under this key (a lookup lists only those; prune drops the
+    rest)."""
+    return (
+        isinstance(field, bytes)
+        and isinstance(tag, bytes)
+        and field.isdigit()
+        and signer.verify(tag, length_tag(signer, name, field))
+    )
+
+
 def secret_id(signer: Signer) -> str:
     """12 hex digits derived from the secret (an HMAC of a fixed label, not the secret)."""
     return signer.value(b"secret-id", b"").hex()[:12]

@@ -59,7 +59,7 @@ from ...restore_points import (
 from ..l3.points import PAGE_TOKENS
 from ..l3.writer import Writer, job_writer
 from . import codec
-from .keys import LENGTH_LABEL
+from .keys import authentic_length, length_tag
 from .store import RemoteStore
 
 #: Token counts a length index keeps (a push that finds more starts it over): every lookup reads
@@ -150,10 +150,7 @@ class RemotePoints:
         name = store.keys.point_lengths(root.hex())
         entries = store._run("point lengths", functools.partial(store._client.hgetall, name))
         for field, tag in list((entries or {}).items())[:MAX_LENGTHS]:
-            if not (isinstance(field, bytes) and isinstance(tag, bytes) and field.isdigit()):
-                store._bad_value("unauthenticated_length")
-                continue
-            if not store._signer.verify(tag, store._signer.value(LENGTH_LABEL, name, field)):
+            if not authentic_length(store._signer, name, field, tag):
                 store._bad_value("unauthenticated_length")
                 continue
             out.append(int(field))
@@ -217,9 +214,7 @@ class RemotePoints:
 
     def _body(self, name: bytes, kind: int, value: Any) -> Any:
         """The body of ``value`` read from ``name``, checked to be a ``kind`` frame signed
-        under this key. Raises _Miss (``foreign``, or the frame's reason)."""
-        if not isinstance(value, bytes):
-            raise _Miss("foreign", name)
+        under this key. Raises _Miss (the frame's reason)."""
         try:
             return codec.unpack(self.store._signer, name, kind, value).body
         except codec.FrameError as exc:
@@ -362,7 +357,7 @@ class RemotePoints:
         store = self.store
         name = store.keys.point_lengths(ident)
         field = str(n_tokens).encode()
-        tag = store._signer.value(LENGTH_LABEL, name, field)
+        tag = length_tag(store._signer, name, field)
         ttl = store.settings.ttl
         owned: tuple[bytes, bytes] | None = None
         if owner.model_identity:

@@ -23,7 +23,7 @@ from ...restore_points import is_composed, page_keys, unpack_composed, unpack_po
 from ..l3.auth import Signer
 from ..l3.points import PAGE_TOKENS
 from . import codec
-from .keys import LENGTH_LABEL, POINT, POINT_LENGTHS, POINT_OWNER, Keys
+from .keys import POINT, POINT_LENGTHS, POINT_OWNER, Keys, authentic_length
 
 
 class Admin(Protocol):
@@ -87,9 +87,6 @@ class PointAdmin:
         admin = self.admin
         parsed = admin.keys.parse(name)
         if value is None or parsed is None or parsed[2] != POINT_OWNER:
-            return None
-        if not isinstance(value, bytes):
-            admin._bad_value("foreign")
             return None
         try:
             frame = codec.unpack(admin._signer, name, codec.KIND_POINT_OWNER, value)
@@ -170,9 +167,6 @@ class PointAdmin:
         parsed = admin.keys.parse(name)
         assert parsed is not None
         ident, _, _, key = parsed
-        if not isinstance(value, bytes):
-            admin._bad_value("foreign")
-            return None
         try:
             body = codec.unpack(admin._signer, name, codec.KIND_POINT, value).body
         except codec.FrameError as exc:
@@ -214,12 +208,7 @@ class PointAdmin:
             listed = lengths.get(parsed[0], set())
             drop: list[bytes] = []
             for field, tag in entries.items():
-                authentic = (
-                    isinstance(field, bytes)
-                    and isinstance(tag, bytes)
-                    and field.isdigit()
-                    and admin._signer.verify(tag, admin._signer.value(LENGTH_LABEL, name, field))
-                )
+                authentic = authentic_length(admin._signer, name, field, tag)
                 if not authentic:
                     admin._bad_value("unauthenticated_length")
                 if not authentic or int(field) not in listed:

@@ -348,8 +348,6 @@ class RemoteStore:
         be served (so :meth:`fetch` deletes it). No side effects: runs on the byte pool."""
         if value is None:
             return "missing", False  # evicted, expired or deleted since match
-        if not isinstance(value, bytes):
-            return "foreign", True
         try:
             frame = codec.unpack(self._signer, name, codec.KIND_PAGE, value)
             if cachegen.codec_of(frame.body) is not None:
