@@ -9,6 +9,7 @@ import llama_cpp
 import pytest
 
 from skippy_llama.runtime import native_ext
+from skippy_llama.runtime.native import backend_name
 from skippy_llama.runtime.restore_probe import probe_restore_points
 
 pytestmark = pytest.mark.model
@@ -48,14 +49,16 @@ def test_restore_at_prompt_end_is_exact(family: str, synthetic_models: dict[str,
     for point in report.points:
         assert point.control_differs, point  # the comparison can fail
         assert point.restore_exact and point.restore_matches_split, point
-        if native_ext.abi_version() is not None:
-            # stock kernels: qwen35's chunked prefill differs from one batch (measured)
+        if native_ext.abi_version() is not None and backend_name() == "CPU":
+            # stock kernels: qwen35's chunked prefill differs from one batch (measured); on
+            # CUDA (H100, s50) every family's does, which is why its certified rows keep
+            # points on multiples of n_ubatch
             assert point.chunked_restore_exact, point
         assert point.device_checkpoint == "exact", point
         # attention cells of a longer sequence + a recurrent-only snapshot at p: exact too
         assert point.snapshot_exact, point
         assert point.max_abs_diff == 0.0
-    assert report.exact or native_ext.abi_version() is None
+    assert report.exact or native_ext.abi_version() is None or backend_name() != "CPU"
     if family == "mamba2":  # no attention: the state does not grow with the prompt
         assert report.state_bytes_per_token == 0
     else:
