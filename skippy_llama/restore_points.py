@@ -25,7 +25,7 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -383,11 +383,20 @@ def unpack_composed(raw: bytes | memoryview, *, root: bytes, key: bytes) -> Comp
     return ComposedRecord(tokens, refs, head, tail)
 
 
+#: What a point tier is for, which decides where the runtime stores points (not its name):
+#: ``durable`` keeps them across restarts and is stored first (L3); ``mirror`` holds only what a
+#: durable tier took or served, in this process (L2); ``shared`` is what other hosts read
+#: (remote): it gets what the durable tier took, or every point where there is none.
+PointRole = Literal["durable", "mirror", "shared"]
+
+
 class PointTier(Protocol):
     """A tier that keeps restore-point records beyond the live process's own points (L2 host
-    RAM, L3 disk). Lookups never raise: a damaged record is a miss and a counter."""
+    RAM, L3 disk, the remote tier). Lookups never raise: a damaged record is a miss and a
+    counter."""
 
     name: str
+    role: PointRole
 
     def point_lengths(self, root: bytes) -> list[int]:
         """Token counts of the points stored under ``root`` (deepest first or any order)."""
@@ -492,6 +501,7 @@ class RamPoints:
     first it is given (one per ``SkippyLlama``); points of any other are refused."""
 
     name = "l2"
+    role: PointRole = "mirror"
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes

@@ -354,14 +354,16 @@ class RestorePointPath:
     def _put(
         self, tiers: Sequence[PointTier], point: RestorePoint, *, remote: bool, held: bool = False
     ) -> None:
-        """Store ``point`` in ``tiers``: L3 first; L2 only when L3 took it (or already holds
-        it: ``held``); the remote tier (when ``remote``) when L3 took it or there is no L3."""
+        """Store ``point`` in ``tiers`` by their roles (``PointRole``): the durable tier (L3)
+        first; a mirror (L2) only when the durable tier took it (or already holds it:
+        ``held``); a shared tier (remote, when ``remote``) when the durable tier took it or
+        there is none."""
         root = self.store.root
-        disk = next((tier for tier in tiers if tier.name == "l3"), None)
+        disk = next((tier for tier in tiers if tier.role == "durable"), None)
         stored = held or (disk.put_point(root, point, self.owner) if disk is not None else False)
         for tier in tiers:
-            mirror = tier.name == "l2" and stored
-            push = tier.name == "remote" and remote and (stored or disk is None)
+            mirror = tier.role == "mirror" and stored
+            push = tier.role == "shared" and remote and (stored or disk is None)
             if mirror or push:
                 tier.put_point(root, point, self.owner)
 
@@ -385,8 +387,8 @@ class RestorePointPath:
                 point = tier.get_point(root, head)
                 if point is None:
                     continue
-                # promote into the shallower tiers (L2 only mirrors what L3 holds)
-                self._put(self.tiers[:i], point, remote=False, held=tier.name == "l3")
+                # promote into the shallower tiers (a mirror holds what the durable tier does)
+                self._put(self.tiers[:i], point, remote=False, held=tier.role == "durable")
                 self.store.put(point.tokens, point.blob)
                 return tier.name, point
         return None
@@ -423,11 +425,11 @@ class RestorePointPath:
         """The process's restore points (L1), L2's bytes and the remote tier's counters."""
         out: dict[str, Any] = {"l1": {"points": len(self.store), "bytes": self.store.bytes}}
         for tier in self.tiers:
-            if tier.name == "l2":
-                out["l2"] = {"bytes": getattr(tier, "stored_bytes", 0)}
-            elif tier.name == "remote":
+            if tier.role == "mirror":
+                out[tier.name] = {"bytes": getattr(tier, "stored_bytes", 0)}
+            elif tier.role == "shared":
                 status = getattr(tier, "status", None)
-                out["remote"] = status() if status is not None else {}
+                out[tier.name] = status() if status is not None else {}
         return out
 
     def clear(self) -> None:
@@ -435,7 +437,7 @@ class RestorePointPath:
         their own."""
         self.store.clear()
         for tier in self.tiers:
-            if tier.name == "l2":
+            if tier.role == "mirror":
                 clear = getattr(tier, "clear", None)
                 if clear is not None:
                     clear()

@@ -50,7 +50,10 @@ def _settings(l3: Path, url: str, secret: Path, *, l3_on: bool = True) -> Settin
 
 def _remote(llm: Any) -> RemotePoints:
     points = llm.restore_points
-    assert points is not None and points.tiers[-1].name == "remote"
+    assert points is not None and (points.tiers[-1].name, points.tiers[-1].role) == (
+        "remote",
+        "shared",
+    )
     tier = points.tiers[-1]
     assert isinstance(tier, RemotePoints)
     return tier

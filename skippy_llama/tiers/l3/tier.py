@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from ...admission import AdmissionPolicy
 from ...config import L3Settings
-from ...restore_points import PointOwner, RestorePoint
+from ...restore_points import PointOwner, PointRole, RestorePoint
 from ..records import ClearResult, DiskState, DiskStatus, PrefixRecord, PruneResult, Reconciliation
 from .admin import Admin
 from .auth import Signer, load_secret
@@ -85,6 +85,8 @@ class DiskTier:
     name = TIER
     takes_records = True
     in_memory = False
+    #: restore points (restore_points.PointTier): stored here first, kept across restarts
+    role: PointRole = "durable"
 
     def __init__(
         self,

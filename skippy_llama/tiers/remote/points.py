@@ -47,6 +47,7 @@ import numpy.typing as npt
 from ...errors import StateFormatError, StoreDataError
 from ...restore_points import (
     PointOwner,
+    PointRole,
     RestorePoint,
     is_composed,
     page_digest,
@@ -123,6 +124,7 @@ class RemotePoints:
     """
 
     name = "remote"
+    role: PointRole = "shared"
 
     def __init__(
         self,
